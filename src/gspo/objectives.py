@@ -1,0 +1,295 @@
+"""The objectives: GSPO, GSPO-token and GRPO, as pure functions of tensors.
+
+Zheng et al., "Group Sequence Policy Optimization" (arXiv 2507.18071). Every formula of the
+paper that the trainer uses lives here once. No model, no config object, no I/O.
+
+Shapes, everywhere:
+    B  responses in the (micro-)batch, laid out prompt-major (G consecutive rows per prompt)
+    T  response tokens (right-padded)
+    logp, old_logp, ref_logp, mask: (B, T); mask is 1 on real response tokens, 0 on padding.
+
+Each loss returns ``(loss, metrics)``: ``loss`` is the NEGATED objective (minimise it) and
+``metrics`` a dict of detached scalar tensors. ``denom=None`` normalises by the local count
+(sequences, or tokens for token-mean); the trainer instead passes the global count over all
+micro-batches and ranks, so that summing their gradients gives exactly the full-batch gradient.
+
+"Clipped" follows PPO's one-sided rule: a term is clipped when the clipped branch of the
+``min`` is the active one, i.e. ratio > 1 + eps_high with A > 0 (``clip_frac_high``) or
+ratio < 1 - eps_low with A < 0 (``clip_frac_low``). Such a term carries no gradient. Fractions
+count response tokens, as the paper does: for GSPO every token of a clipped sequence counts.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+Metrics = dict[str, Tensor]
+
+# Below this a group's reward std is treated as zero (all rewards equal up to rounding).
+_STD_FLOOR = 1e-6
+
+ADVANTAGE_SCALES = ("group", "batch", "none")
+GRPO_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+
+
+def _check_finite(name: str, x: Tensor) -> None:
+    if torch.isnan(x).any():
+        raise ValueError(f"{name} contains NaN; check the log-probs/rewards that produced it")
+
+
+def _check_inputs(logp: Tensor, old_logp: Tensor, mask: Tensor, adv: Tensor | None,
+                  eps_low: float, eps_high: float) -> Tensor:
+    """Validate the shared inputs and return the mask as logp's float dtype."""
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be (B, T), got shape {tuple(logp.shape)}")
+    for name, x in (("old_logp", old_logp), ("mask", mask)):
+        if x.shape != logp.shape:
+            raise ValueError(f"{name} shape {tuple(x.shape)} does not match logp shape "
+                             f"{tuple(logp.shape)}")
+    if adv is not None and adv.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(f"adv must be (B,) or (B, T) = {tuple(logp.shape)}, "
+                         f"got shape {tuple(adv.shape)}")
+    if eps_low < 0 or eps_high < 0:
+        raise ValueError(f"clip eps must be >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+    mask = mask.to(logp.dtype)
+    if (mask.sum(-1) == 0).any():
+        rows = torch.nonzero(mask.sum(-1) == 0).flatten().tolist()
+        raise ValueError(f"mask rows {rows} have no response tokens; drop empty responses "
+                         f"or give them at least one token (e.g. the EOS)")
+    _check_finite("logp", logp)
+    _check_finite("old_logp", old_logp)
+    if adv is not None:
+        _check_finite("adv", adv)
+    return mask
+
+
+def _masked(x: Tensor, mask: Tensor) -> Tensor:
+    """x with padded positions set to exactly 0 (where, not multiply: padding may hold inf)."""
+    return torch.where(mask > 0, x, torch.zeros_like(x))
+
+
+# --------------------------------------------------------------------------------------------
+# advantages and ratios
+
+
+def group_advantages(rewards: Tensor, group_size: int, scale: str = "group") -> Tensor:
+    """Group-normalised advantages, one per response.
+
+        A_i = (r_i - mean_{j in group(i)} r_j) / std          (paper, eq. for GSPO and GRPO)
+
+    rewards: (B,) with B = P * G, prompt-major (rows i*G .. i*G+G-1 share prompt i).
+    scale:   "group" - std over the response's own group (the paper);
+             "batch" - std over the whole batch (group mean still subtracted);
+             "none"  - no division (Dr.GRPO).
+    std is the unbiased sample std (torch's default, correction=1). Where it is below 1e-6
+    (all rewards of the group equal) the advantage is 0, never NaN; a group of one response
+    likewise gets 0. Returns (B,) in the rewards' floating dtype.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be (B,), got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"{rewards.numel()} rewards are not divisible by group_size "
+                         f"{group_size}; each prompt needs exactly group_size responses")
+    if scale not in ADVANTAGE_SCALES:
+        raise ValueError(f"unknown advantage scale {scale!r}; choose one of {ADVANTAGE_SCALES}")
+    rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    _check_finite("rewards", rewards)
+    if group_size == 1:
+        return torch.zeros_like(rewards)
+    r = rewards.view(-1, group_size)  # (P, G)
+    centred = r - r.mean(-1, keepdim=True)
+    if scale == "none":
+        return centred.flatten()
+    if scale == "group":
+        std = r.std(-1, keepdim=True)  # (P, 1)
+    else:
+        std = rewards.std().expand(r.shape[0], 1)
+    adv = torch.where(std > _STD_FLOOR, centred / std.clamp_min(_STD_FLOOR), torch.zeros_like(r))
+    return adv.flatten()
+
+
+def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """Length-normalised sequence log-likelihood ratio, log s_i.
+
+        log s_i = (1/|y_i|) * sum_t (log pi_theta(y_i,t) - log pi_old(y_i,t))
+
+    logp, old_logp, mask: (B, T). Returns (B,).
+    """
+    mask = _check_inputs(logp, old_logp, mask, None, 0.0, 0.0)
+    return _seq_log_ratio(logp, old_logp, mask)
+
+
+def _seq_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    return _masked(logp - old_logp, mask).sum(-1) / mask.sum(-1)  # (B,)
+
+
+def _clip_flags(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float
+                ) -> tuple[Tensor, Tensor]:
+    """Where the clipped branch of min(ratio*A, clip(ratio)*A) is active (one-sided, as PPO)."""
+    high = (adv > 0) & (ratio > 1 + eps_high)
+    low = (adv < 0) & (ratio < 1 - eps_low)
+    return low, high
+
+
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    return torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+
+
+def _token_frac(flags: Tensor, mask: Tensor) -> Tensor:
+    """Fraction of real tokens flagged; flags (B,) count for every token of their sequence."""
+    if flags.dim() == 1:
+        flags = flags[:, None].expand_as(mask)
+    return (flags.to(mask.dtype) * mask).sum() / mask.sum()
+
+
+def _metrics(ratio: Tensor, ratio_mask: Tensor | None, low: Tensor, high: Tensor,
+             logp: Tensor, old_logp: Tensor, mask: Tensor) -> Metrics:
+    """Shared metrics; ratio is (B,) per sequence or (B, T) per token (then ratio_mask=mask)."""
+    with torch.no_grad():
+        r = ratio.detach()
+        if ratio_mask is not None:
+            sel = ratio_mask > 0
+            r_mean = _masked(r, ratio_mask).sum() / ratio_mask.sum()
+            r_min, r_max = r[sel].min(), r[sel].max()
+        else:
+            r_mean, r_min, r_max = r.mean(), r.min(), r.max()
+        frac_low, frac_high = _token_frac(low, mask), _token_frac(high, mask)
+        return {
+            "clip_frac": frac_low + frac_high,  # low and high are disjoint
+            "clip_frac_low": frac_low,
+            "clip_frac_high": frac_high,
+            "ratio_mean": r_mean,
+            "ratio_min": r_min,
+            "ratio_max": r_max,
+            "kl_old": _masked(old_logp - logp.detach(), mask).sum() / mask.sum(),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# losses
+
+
+def gspo_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
+              eps_low: float = 3e-4, eps_high: float = 4e-4,
+              denom: float | Tensor | None = None) -> tuple[Tensor, Metrics]:
+    """GSPO: sequence-level importance ratio and sequence-level clipping.
+
+        s_i    = exp( (1/|y_i|) * sum_t (logp_i,t - old_logp_i,t) )
+        J_GSPO = (1/G) * sum_i min( s_i * A_i, clip(s_i, 1 - eps_low, 1 + eps_high) * A_i )
+        loss   = -sum_i min(...) / denom                    (denom=None -> B, the local count)
+
+    logp (B, T) requires grad; old_logp (B, T) is a constant (detached here); adv (B,);
+    mask (B, T). Paper defaults eps_low=3e-4, eps_high=4e-4.
+    Metrics: ratio_* are over sequences; clip fractions count every token of a clipped
+    sequence; kl_old is the token mean of old_logp - logp.
+    """
+    mask = _check_inputs(logp, old_logp, mask, adv, eps_low, eps_high)
+    if adv.dim() != 1:
+        raise ValueError(f"gspo_loss needs one advantage per sequence, adv (B,); got shape "
+                         f"{tuple(adv.shape)} (use gspo_token_loss for per-token advantages)")
+    old_logp, adv = old_logp.detach(), adv.detach().to(logp.dtype)
+    ratio = torch.exp(_seq_log_ratio(logp, old_logp, mask))  # (B,)
+    per_seq = _clipped_surrogate(ratio, adv, eps_low, eps_high)  # (B,)
+    denom = logp.shape[0] if denom is None else denom
+    loss = -per_seq.sum() / denom
+    low, high = _clip_flags(ratio.detach(), adv, eps_low, eps_high)
+    return loss, _metrics(ratio, None, low, high, logp, old_logp, mask)
+
+
+def gspo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
+                    eps_low: float = 3e-4, eps_high: float = 4e-4,
+                    denom: float | Tensor | None = None) -> tuple[Tensor, Metrics]:
+    """GSPO-token: per-token advantages with the sequence-level ratio's value.
+
+        s_i,t = sg[s_i] * pi_theta(y_i,t) / sg[pi_theta(y_i,t)]
+              = exp( sg[log s_i] + logp_i,t - sg[logp_i,t] )    (value s_i, gradient of logp_i,t)
+        J     = (1/G) * sum_i (1/|y_i|) * sum_t min( s_i,t A_i,t, clip(s_i,t, 1-eps_low, 1+eps_high) A_i,t )
+        loss  = -sum_i (1/|y_i|) sum_t min(...) / denom      (denom=None -> B)
+
+    adv is (B,) (broadcast over tokens) or (B, T). With adv constant within each sequence
+    this equals gspo_loss in value and gradient. Metrics as gspo_loss (ratio_* over sequences).
+    """
+    mask = _check_inputs(logp, old_logp, mask, adv, eps_low, eps_high)
+    old_logp, adv = old_logp.detach(), adv.detach().to(logp.dtype)
+    adv_t = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv  # (B, T)
+    log_s = _seq_log_ratio(logp, old_logp, mask).detach()  # (B,) stop-gradient
+    ratio_t = torch.exp(log_s[:, None] + logp - logp.detach())  # (B, T), value = s_i
+    per_tok = _masked(_clipped_surrogate(ratio_t, adv_t, eps_low, eps_high), mask)
+    per_seq = per_tok.sum(-1) / mask.sum(-1)  # (B,)
+    denom = logp.shape[0] if denom is None else denom
+    loss = -per_seq.sum() / denom
+    low, high = _clip_flags(ratio_t.detach(), adv_t, eps_low, eps_high)
+    return loss, _metrics(torch.exp(log_s), None, low, high, logp, old_logp, mask)
+
+
+def grpo_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
+              eps_low: float = 0.2, eps_high: float = 0.27,
+              aggregation: str = "seq-mean-token-mean",
+              denom: float | Tensor | None = None,
+              max_len: int | None = None) -> tuple[Tensor, Metrics]:
+    """GRPO, the baseline: token-level importance ratio and token-level clipping.
+
+        w_i,t  = exp(logp_i,t - old_logp_i,t)
+        term   = min( w_i,t A_i, clip(w_i,t, 1 - eps_low, 1 + eps_high) A_i )
+        J_GRPO = (1/G) * sum_i (1/|y_i|) * sum_t term           ("seq-mean-token-mean", paper)
+
+    aggregation (loss = -numerator / denom):
+        "seq-mean-token-mean"      numerator sum_i (1/|y_i|) sum_t term; denom=None -> B
+        "token-mean"               numerator sum_i sum_t term;           denom=None -> sum |y_i|
+        "seq-mean-token-sum-norm"  numerator sum_i sum_t term / max_len;  denom=None -> B
+                                   (Dr.GRPO: a constant length normaliser, the generation
+                                   budget; max_len=None -> T, the mask's width)
+    adv (B,) or (B, T). Metrics: ratio_* over real tokens.
+    """
+    mask = _check_inputs(logp, old_logp, mask, adv, eps_low, eps_high)
+    if aggregation not in GRPO_AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; choose one of "
+                         f"{GRPO_AGGREGATIONS}")
+    old_logp, adv = old_logp.detach(), adv.detach().to(logp.dtype)
+    adv_t = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv  # (B, T)
+    ratio = torch.exp(_masked(logp - old_logp, mask))  # (B, T); 1 on padding
+    per_tok = _masked(_clipped_surrogate(ratio, adv_t, eps_low, eps_high), mask)  # (B, T)
+    if aggregation == "seq-mean-token-mean":
+        numer = (per_tok.sum(-1) / mask.sum(-1)).sum()
+        default = logp.shape[0]
+    elif aggregation == "token-mean":
+        numer = per_tok.sum()
+        default = mask.sum()
+    else:
+        numer = per_tok.sum() / (logp.shape[1] if max_len is None else max_len)
+        default = logp.shape[0]
+    loss = -numer / (default if denom is None else denom)
+    low, high = _clip_flags(ratio.detach(), adv_t, eps_low, eps_high)
+    low, high = low & (mask > 0), high & (mask > 0)
+    return loss, _metrics(ratio, mask, low, high, logp, old_logp, mask)
+
+
+def kl_k3(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+    """k3 estimator of KL(pi_theta || pi_ref), averaged over each sequence's tokens.
+
+        k3_t = exp(ref_logp_t - logp_t) - (ref_logp_t - logp_t) - 1     (>= 0, unbiased)
+        kl_i = (1/|y_i|) * sum_t k3_t
+
+    logp, ref_logp, mask: (B, T). Returns (B,), differentiable through logp. The trainer adds
+    beta * sum_i kl_i / denom to the loss (off by default, as in the paper).
+    """
+    mask = _check_inputs(logp, ref_logp, mask, None, 0.0, 0.0)
+    delta = _masked(ref_logp.detach() - logp, mask)  # (B, T)
+    k3 = _masked(torch.exp(delta) - delta - 1, mask)
+    return k3.sum(-1) / mask.sum(-1)
+
+
+Objective = Callable[..., tuple[Tensor, Metrics]]
+
+OBJECTIVES: dict[str, Objective] = {
+    "gspo": gspo_loss,
+    "gspo_token": gspo_token_loss,
+    "grpo": grpo_loss,
+}
