@@ -220,7 +220,8 @@ def gspo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
     old_logp, adv = old_logp.detach(), adv.detach().to(logp.dtype)
     adv_t = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv  # (B, T)
     log_s = _seq_log_ratio(logp, old_logp, mask).detach()  # (B,) stop-gradient
-    ratio_t = torch.exp(log_s[:, None] + logp - logp.detach())  # (B, T), value = s_i
+    # masked before exp: -inf - (-inf) on padding would put NaN into the gradient
+    ratio_t = torch.exp(log_s[:, None] + _masked(logp - logp.detach(), mask))  # (B, T) = s_i
     per_tok = _masked(_clipped_surrogate(ratio_t, adv_t, eps_low, eps_high), mask)
     per_seq = per_tok.sum(-1) / mask.sum(-1)  # (B,)
     denom = logp.shape[0] if denom is None else denom

@@ -1,0 +1,347 @@
+"""Checkpoints: a Hugging Face model directory plus the state an exact resume needs.
+
+A checkpoint is `run_dir/checkpoints/step_{step:06d}/` holding
+
+    model.safetensors (or shards + index), config.json, generation_config.json
+    tokenizer files                       -> loadable by plain `from_pretrained`
+    trainer_state.pt                      -> optimizer, scheduler, trainer dict, RNG states
+
+Writes are atomic: everything goes into a hidden temp dir next to the final one, is fsynced,
+then renamed into place, so a directory named `step_*` is always complete. A crash leaves at
+worst a hidden `.tmp-*` / `.trash-*` / `.old-*` dir, which the next save cleans up (an `.old-*`
+dir is a finished checkpoint moved aside while the same step was re-saved; it is renamed back
+if the re-save never landed). `checkpoints/latest` names the most recently written checkpoint.
+
+Scope: the caller passes full (unsharded) state, on one process. Under FSDP, rank 0 must hold
+gathered weights and optimizer state before calling `save_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
+STATE_FILE = "trainer_state.pt"
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_HIDDEN_PREFIXES = (".tmp-", ".trash-", ".old-")
+
+
+# ---------------------------------------------------------------------------- save
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    model,
+    tokenizer,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any | None,
+    trainer_state: dict,
+    keep_last: int = 3,
+) -> Path:
+    """Write checkpoint `step` atomically, point `latest` at it, prune old ones; return its path.
+
+    `trainer_state` holds what the loop needs to continue (step, data position, ...): values
+    must be JSON-like Python types or tensors, because loading uses torch.load(weights_only=True).
+    `tokenizer`, `optimizer` and `scheduler` may be None (e.g. a weights-only final save).
+    `keep_last <= 0` keeps every checkpoint; the one just written is never pruned.
+    """
+    ckpts = Path(run_dir) / CHECKPOINTS_DIR
+    ckpts.mkdir(parents=True, exist_ok=True)
+    _clean_stale(ckpts)
+    name = f"step_{step:06d}"
+    tmp = ckpts / f".tmp-{name}-{os.getpid()}"
+    try:
+        tmp.mkdir()
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        torch.save(_trainer_payload(step, optimizer, scheduler, trainer_state), tmp / STATE_FILE)
+        _fsync_tree(tmp)
+        final = _publish(tmp, ckpts / name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _write_text_atomic(ckpts / LATEST_FILE, name + "\n")
+    _prune(ckpts, keep=final, keep_last=keep_last)
+    return final
+
+
+def _trainer_payload(step: int, optimizer, scheduler, trainer_state: dict) -> dict:
+    """Everything besides the weights that a resume needs, as torch.load(weights_only) types."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "trainer_state": dict(trainer_state),
+        "rng": _get_rng_state(),
+    }
+
+
+def _publish(tmp: Path, final: Path) -> Path:
+    """Rename the finished temp dir to its final name (moving an existing same-step dir aside).
+
+    os.replace cannot overwrite a non-empty dir, so a re-save of the same step first renames the
+    old one to `.old-*`; a crash between the two renames is repaired by `_clean_stale`.
+    """
+    old = None
+    if final.exists():
+        old = final.with_name(f".old-{final.name}-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _prune(ckpts: Path, keep: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints, always keeping `keep`.
+
+    Each victim is renamed to `.trash-*` before deletion so a crash mid-delete never leaves a
+    partial dir under a `step_*` name.
+    """
+    if keep_last <= 0:
+        return
+    others = [d for d in _complete_checkpoints(ckpts) if d.name != keep.name]
+    for victim in others[: max(0, len(others) - (keep_last - 1))]:
+        trash = victim.with_name(f".trash-{victim.name}-{os.getpid()}")
+        os.replace(victim, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def _clean_stale(ckpts: Path) -> None:
+    """Remove leftovers of crashed saves; restore an `.old-*` dir whose re-save never landed."""
+    for entry in ckpts.iterdir():
+        if not entry.is_dir() or not entry.name.startswith(_HIDDEN_PREFIXES):
+            continue
+        if entry.name.startswith(".old-"):
+            original = ckpts / entry.name[len(".old-") :].rsplit("-", 1)[0]
+            if not original.exists():
+                os.replace(entry, original)
+                continue
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    """Write a small file via temp file + fsync + rename, so readers see old or new, never half."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and dir under `root`, so the rename publishes data that is on disk."""
+    for dirpath, _, filenames in os.walk(root):
+        for fn in filenames:
+            with open(os.path.join(dirpath, fn), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    """fsync a directory entry table (a no-op where the OS does not allow it, e.g. Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------- find
+
+
+def latest_checkpoint(path: str | os.PathLike) -> Path | None:
+    """Newest complete checkpoint under a run dir, its checkpoints dir, or a checkpoint dir.
+
+    "Newest" is the one `latest` names (the last written, which matters after resuming from an
+    earlier step); if that is missing or incomplete, the highest complete step. Temp dirs are
+    never returned. None when there is no complete checkpoint.
+    """
+    path = Path(path)
+    if _STEP_RE.match(path.name):
+        return path if _is_complete(path) else None
+    ckpts = path / CHECKPOINTS_DIR if (path / CHECKPOINTS_DIR).is_dir() else path
+    if not ckpts.is_dir():
+        return None
+    pointer = ckpts / LATEST_FILE
+    if pointer.is_file():
+        named = ckpts / pointer.read_text().strip()
+        if _STEP_RE.match(named.name) and _is_complete(named):
+            return named
+    complete = _complete_checkpoints(ckpts)
+    return complete[-1] if complete else None
+
+
+def _complete_checkpoints(ckpts: Path) -> list[Path]:
+    """Complete `step_*` dirs in `ckpts`, oldest step first."""
+    found = [d for d in ckpts.iterdir() if _STEP_RE.match(d.name) and _is_complete(d)]
+    return sorted(found, key=lambda d: int(_STEP_RE.match(d.name).group(1)))
+
+
+def _is_complete(d: Path) -> bool:
+    """True when `d` holds config, weights and trainer state (guards against hand-made dirs)."""
+    weights = ("model.safetensors", "model.safetensors.index.json")
+    has_weights = any((d / name).is_file() for name in weights)
+    return has_weights and (d / "config.json").is_file() and (d / STATE_FILE).is_file()
+
+
+# ---------------------------------------------------------------------------- load
+
+
+def load_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    model,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any | None = None,
+    restore_rng: bool = True,
+) -> dict:
+    """Load weights, optimizer, scheduler and RNG states from `ckpt_dir`; return trainer_state.
+
+    The returned dict is the `trainer_state` passed to `save_checkpoint`, with "step" filled in
+    if it was absent. Pass `restore_rng=False` to load for evaluation without touching RNGs.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint dir not found: {ckpt_dir}")
+    if not _is_complete(ckpt_dir):
+        raise ValueError(
+            f"incomplete checkpoint (need config.json, model.safetensors and {STATE_FILE}): "
+            f"{ckpt_dir}; to resume a run, pass latest_checkpoint(run_dir)"
+        )
+    payload = torch.load(ckpt_dir / STATE_FILE, map_location="cpu", weights_only=True)
+    _load_weights(ckpt_dir, model)
+    if optimizer is not None:
+        _load_component(optimizer, payload.get("optimizer"), "optimizer", ckpt_dir)
+    if scheduler is not None:
+        _load_component(scheduler, payload.get("scheduler"), "scheduler", ckpt_dir)
+    if restore_rng:
+        _set_rng_state(payload["rng"])
+    state = dict(payload["trainer_state"])
+    state.setdefault("step", payload["step"])
+    return state
+
+
+def _load_component(obj, state_dict: dict | None, what: str, ckpt_dir: Path) -> None:
+    """Load an optimizer/scheduler state, failing clearly if the checkpoint saved none."""
+    if state_dict is None:
+        raise ValueError(f"checkpoint {ckpt_dir} has no {what} state (saved with {what}=None)")
+    obj.load_state_dict(state_dict)
+
+
+def _load_weights(ckpt_dir: Path, model) -> None:
+    """Copy the checkpoint's weights into `model` in place.
+
+    Fast path: the safetensors keys are the model's own state_dict keys, less tied aliases such
+    as lm_head.weight. When they are not (transformers v5 fuses e.g. Qwen3-MoE experts in memory
+    but saves them per expert), let transformers convert by building a fresh model with
+    `from_pretrained` and copying its state; that costs a second copy of the weights in memory.
+    """
+    state = _read_safetensors(ckpt_dir)
+    if not _keys_match(model, state):
+        state = _state_via_from_pretrained(ckpt_dir, model)
+    result = model.load_state_dict(state, strict=False)
+    untied = _untied_missing(model, set(result.missing_keys))
+    if result.unexpected_keys or untied:
+        raise ValueError(
+            f"checkpoint {ckpt_dir} does not match the model: missing {sorted(untied)[:5]}, "
+            f"unexpected {sorted(result.unexpected_keys)[:5]}"
+        )
+
+
+def _read_safetensors(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a single-file or sharded (index.json) safetensors checkpoint, on CPU."""
+    from safetensors.torch import load_file
+
+    index = ckpt_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        return load_file(ckpt_dir / "model.safetensors")
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(ckpt_dir / shard))
+    return state
+
+
+def _keys_match(model, state: dict) -> bool:
+    """True when `state` has no foreign keys and lacks only tied aliases of the model's keys."""
+    expected = model.state_dict()
+    if set(state) - set(expected):
+        return False
+    return not _untied_missing(model, set(expected) - set(state), expected)
+
+
+def _untied_missing(model, missing: set[str], expected: dict | None = None) -> set[str]:
+    """The missing keys that do not share storage with a present key (i.e. truly missing)."""
+    if not missing:
+        return set()
+    expected = expected if expected is not None else model.state_dict()
+    present = {expected[k].data_ptr() for k in expected if k not in missing}
+    return {k for k in missing if expected[k].data_ptr() not in present}
+
+
+def _state_via_from_pretrained(ckpt_dir: Path, model) -> dict[str, torch.Tensor]:
+    """Load `ckpt_dir` with the model's own class so transformers applies its key conversions."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(
+            f"checkpoint {ckpt_dir} keys differ from {type(model).__name__}'s state_dict and the "
+            "model is not a transformers PreTrainedModel (load before wrapping/compiling it)"
+        )
+    dtype = next(model.parameters()).dtype
+    fresh = type(model).from_pretrained(ckpt_dir, dtype=dtype)
+    return fresh.state_dict()
+
+
+# ---------------------------------------------------------------------------- RNG
+
+
+def _get_rng_state() -> dict:
+    """Python, numpy (legacy global), torch CPU and, when present, all CUDA generator states."""
+    np_state = np.random.get_state(legacy=False)
+    np_state["state"] = {"key": np_state["state"]["key"].tolist(), "pos": np_state["state"]["pos"]}
+    state = {"python": random.getstate(), "numpy": np_state, "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    """Inverse of `_get_rng_state`; CUDA states are restored only where a GPU is present."""
+    random.setstate(_as_tuples(state["python"]))
+    np_state = dict(state["numpy"])
+    np_state["state"] = {
+        "key": np.asarray(np_state["state"]["key"], dtype=np.uint32),
+        "pos": np_state["state"]["pos"],
+    }
+    np.random.set_state(np_state)
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
+
+
+def _as_tuples(x):
+    """random.setstate needs tuples; be safe if a serializer handed lists back."""
+    return tuple(_as_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x

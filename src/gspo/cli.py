@@ -1,0 +1,106 @@
+"""The command line: `gspo train`, `gspo plot`.
+
+Errors the user can fix (a broken config, a missing model path, a run directory already in
+use) print one line to stderr and exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+USAGE_ERROR = 2
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    from gspo.config import help_text
+
+    p = argparse.ArgumentParser(
+        prog="gspo train",
+        description="RL fine-tuning with GSPO. With no arguments: build a tiny Qwen3 model and "
+                    "tokenizer locally, warm it up on synthetic arithmetic, then run GSPO.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="config fields (set with key.sub=value, or in the YAML file):\n" + help_text())
+    p.add_argument("--config", help="YAML file with config sections (model, data, rollout, ...)")
+    p.add_argument("--output-dir", help="run directory (default: runs/<algorithm>-<time>)")
+    p.add_argument("--resume", metavar="DIR",
+                   help="continue the run in DIR from its latest checkpoint, with its saved "
+                        "config (overrides still apply)")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                   help="config overrides, e.g. algorithm=grpo optim.lr=1e-5")
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"gspo: error: {msg}", file=sys.stderr)
+    return USAGE_ERROR
+
+
+def train_main(argv: list[str]) -> int:
+    from gspo.config import ConfigError, load_config
+    from gspo.models import ModelLoadError
+    from gspo.trainer import TrainingError, train
+
+    args = _train_parser().parse_args(argv)
+    try:
+        config_path = args.config
+        if args.resume:
+            run_dir = Path(args.resume)
+            if config_path is None:
+                config_path = run_dir / "config.yaml"
+        cfg = load_config(config_path, args.overrides)
+        if not args.resume:
+            run_dir = Path(args.output_dir or
+                           f"runs/{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        summary = train(cfg, run_dir, resume=bool(args.resume))
+    except (ConfigError, ModelLoadError, TrainingError) as e:
+        return _fail(str(e))
+    print_summary(summary)
+    return 0
+
+
+def print_summary(s) -> None:
+    def pct(x):
+        return "-" if x is None else f"{100 * x:5.1f}%"
+
+    gain = (None if s.start_accuracy is None or s.final_accuracy is None
+            else s.final_accuracy - s.start_accuracy)
+    rows = [
+        ("held-out accuracy before RL", pct(s.start_accuracy)),
+        ("held-out accuracy after RL", pct(s.final_accuracy)),
+        ("change", "-" if gain is None else f"{100 * gain:+5.1f} points"),
+        ("RL steps", str(s.steps)),
+        ("warm-up time", f"{s.warmup_s:.0f} s"),
+        ("RL time", f"{s.rl_s:.0f} s"),
+        ("peak RSS", f"{s.peak_rss_mb:.0f} MB"),
+        ("run directory", str(s.run_dir)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    p = argparse.ArgumentParser(prog="gspo", description="Group Sequence Policy Optimization "
+                                "(arXiv 2507.18071) for RL fine-tuning of language models.")
+    p.add_argument("command", choices=["train", "plot"], help="train: run RL fine-tuning; "
+                   "plot: PNG charts of one or more run directories")
+    if not argv or argv[0] in ("-h", "--help"):
+        p.print_help()
+        return 0 if argv else USAGE_ERROR
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        return train_main(rest)
+    if cmd == "plot":
+        from gspo.plot import main as plot_main
+        return plot_main(rest)
+    p.parse_args([cmd])  # prints the error and exits 2
+    return USAGE_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

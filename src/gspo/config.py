@@ -1,0 +1,321 @@
+"""Typed run configuration: nested dataclasses, YAML files and dotted CLI overrides.
+
+Every field carries its help text (``gspo train --help`` prints them all). A config is
+validated once, at start-up, by :func:`resolve`; any problem raises :class:`ConfigError` with one
+line naming the field and the fix, which the CLI prints before exiting with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A broken configuration; the message is one line naming the field and the fix."""
+
+
+def _f(default: Any, help: str) -> Any:
+    """A dataclass field with a default and its help text."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = _f("tiny-qwen3", "'tiny-qwen3' (built locally, offline) or a local "
+                           "directory / hub id of any Hugging Face causal LM")
+    hidden_size: int = _f(128, "tiny model only: hidden size")
+    num_layers: int = _f(2, "tiny model only: number of decoder layers")
+    num_heads: int = _f(4, "tiny model only: attention heads")
+    num_kv_heads: int = _f(2, "tiny model only: key/value heads (GQA)")
+    intermediate_size: int = _f(512, "tiny model only: MLP width")
+    dtype: str = _f("float32", "training dtype: float32 | bfloat16 | float16")
+    logprob_chunk_size: int = _f(1024, "positions per chunk when computing log-probs "
+                                 "(bounds the (chunk, V) logits held at once)")
+
+
+@dataclass
+class DataConfig:
+    task: str = _f("arithmetic", "prompt source: 'arithmetic' (the synthetic default)")
+    digits: int = _f(2, "arithmetic: maximum number of digits of each operand")
+    operations: str = _f("+", "arithmetic: operators to draw from, e.g. '+' or '+-'")
+    n_train: int = _f(8000, "number of training prompts generated")
+    n_eval: int = _f(200, "number of held-out prompts generated (disjoint from training)")
+    seed: int = _f(1234, "seed of the task generator")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = _f("hf", "rollout engine: 'hf' (batched decode with KV cache)")
+    group_size: int = _f(8, "G: responses sampled per prompt")
+    prompts_per_step: int = _f(16, "prompts per RL step; the rollout batch is prompts_per_step*G")
+    temperature: float = _f(1.0, "sampling temperature (also applied to the training log-probs)")
+    top_p: float = _f(1.0, "nucleus sampling threshold")
+    max_new_tokens: int = _f(8, "maximum response length in tokens")
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The paper's settings: GSPO clips sequence ratios very tightly, GRPO token ratios loosely.
+    "gspo": {"eps_low": 3e-4, "eps_high": 4e-4, "aggregation": "seq-mean-token-mean"},
+    "gspo_token": {"eps_low": 3e-4, "eps_high": 4e-4, "aggregation": "seq-mean-token-mean"},
+    "grpo": {"eps_low": 0.2, "eps_high": 0.27, "aggregation": "seq-mean-token-mean"},
+}
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = _f("gspo", "objective: gspo | gspo_token | grpo (`algorithm=NAME` for short)")
+    eps_low: float | None = _f(None, "lower clip range; default from the preset "
+                               "(gspo 3e-4, grpo 0.2)")
+    eps_high: float | None = _f(None, "upper clip range; default from the preset "
+                                "(gspo 4e-4, grpo 0.27)")
+    aggregation: str | None = _f(None, "grpo loss aggregation: seq-mean-token-mean | "
+                                 "token-mean | seq-mean-token-sum-norm")
+    advantage_scale: str = _f("group", "advantage normaliser: group | batch | none (Dr.GRPO)")
+    minibatches: int = _f(4, "optimiser steps per rollout batch (the paper: 4)")
+    micro_batch_size: int = _f(0, "sequences per forward/backward (0 = the whole minibatch); "
+                               "gradients accumulate with global denominators")
+    beta: float = _f(0.0, "KL penalty to the initial policy (k3); 0 = off, as in the paper")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(1e-4, "AdamW learning rate of the RL phase")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    betas: list = _f([0.9, 0.999], "AdamW betas")
+    grad_clip: float = _f(1.0, "max global gradient norm (0 = no clipping)")
+    warmup_steps: int = _f(0, "linear learning-rate warm-up, in optimiser steps")
+
+
+@dataclass
+class WarmupConfig:
+    steps: int = _f(300, "supervised warm-up steps before RL (0 for a pretrained model)")
+    lr: float = _f(1e-3, "warm-up AdamW learning rate")
+    batch_size: int = _f(64, "warm-up examples per step")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(400, "RL steps (one rollout batch each)")
+    seed: int = _f(0, "seed of model init, sampling and data order")
+    eval_every: int = _f(50, "held-out evaluation every N RL steps (and at step 0); 0 = never")
+    eval_k: int = _f(4, "samples per held-out problem (accuracy is avg@k)")
+    eval_temperature: float = _f(1.0, "sampling temperature of the evaluation")
+    save_every: int = _f(100, "checkpoint every N RL steps (and at the end); 0 = only the end")
+    keep_last: int = _f(2, "checkpoints kept (older ones are deleted)")
+    tensorboard: bool = _f(True, "also write TensorBoard events when tensorboard is installed")
+    progress: bool = _f(True, "show a progress bar")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# --------------------------------------------------------------------------------------------
+# building a config from YAML and overrides
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check value against a field's type hint, converting only the lossless int -> float."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}: expected {hint}, got {value!r}")
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads '1e-3' as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if hint is list or origin is list:
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        raise ConfigError(f"{key}: expected a list like [0.9, 0.999], got {value!r}")
+    want = origin or hint
+    if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {getattr(want, '__name__', want)}, "
+                          f"got {type(value).__name__} {value!r}")
+    return value
+
+
+def _apply(obj: Any, key_path: list[str], value: Any, full_key: str) -> None:
+    names = [f.name for f in dataclasses.fields(obj)]
+    head = key_path[0]
+    if head not in names:
+        raise ConfigError(f"unknown config key '{full_key}'; valid keys under "
+                          f"'{'.'.join(full_key.split('.')[:-len(key_path)]) or 'top level'}': "
+                          f"{', '.join(names)}")
+    current = getattr(obj, head)
+    if dataclasses.is_dataclass(current):
+        if len(key_path) == 1:
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    _apply(current, [str(k)], v, f"{full_key}.{k}")
+                return
+            raise ConfigError(f"'{full_key}' is a section; set one of its keys, e.g. "
+                              f"{full_key}.{dataclasses.fields(current)[0].name}=...")
+        _apply(current, key_path[1:], value, full_key)
+        return
+    if len(key_path) > 1:
+        raise ConfigError(f"unknown config key '{full_key}': '{head}' is not a section")
+    setattr(obj, head, _coerce(value, _hints(type(obj))[head], full_key))
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'a.b=value' -> ('a.b', value) with value parsed as YAML (numbers, bools, lists...)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if key == "algorithm" and isinstance(value, str):  # the preset shorthand
+        key = "algorithm.name"
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then a YAML file, then `key.sub=value` overrides; resolved and validated."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' not found")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{path}' is not valid YAML: "
+                              f"{str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of sections")
+        if isinstance(data.get("algorithm"), str):
+            data["algorithm"] = {"name": data["algorithm"]}
+        for k, v in data.items():
+            _apply(cfg, [str(k)], v, str(k))
+    for text in overrides:
+        key, value = parse_override(text)
+        _apply(cfg, key.split("."), value, key)
+    return resolve(cfg)
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def resolve(cfg: Config) -> Config:
+    """Fill preset defaults and check every cross-field constraint once."""
+    from gspo.objectives import GRPO_AGGREGATIONS, OBJECTIVES, ADVANTAGE_SCALES
+
+    a, r = cfg.algorithm, cfg.rollout
+    if a.name not in OBJECTIVES:
+        raise ConfigError(f"algorithm.name '{a.name}' is unknown; choose one of "
+                          f"{', '.join(OBJECTIVES)}")
+    preset = PRESETS[a.name]
+    for k in ("eps_low", "eps_high", "aggregation"):
+        if getattr(a, k) is None:
+            setattr(a, k, preset[k])
+    if a.aggregation not in GRPO_AGGREGATIONS:
+        raise ConfigError(f"algorithm.aggregation '{a.aggregation}' is unknown; choose one of "
+                          f"{', '.join(GRPO_AGGREGATIONS)}")
+    if a.name != "grpo" and a.aggregation != "seq-mean-token-mean":
+        raise ConfigError(f"algorithm.aggregation '{a.aggregation}' applies to grpo only; "
+                          f"{a.name} always averages tokens within a sequence")
+    if a.advantage_scale not in ADVANTAGE_SCALES:
+        raise ConfigError(f"algorithm.advantage_scale '{a.advantage_scale}' is unknown; choose "
+                          f"one of {', '.join(ADVANTAGE_SCALES)}")
+    _positive("algorithm.eps_low", a.eps_low, allow_zero=True)
+    _positive("algorithm.eps_high", a.eps_high, allow_zero=True)
+    _positive("algorithm.beta", a.beta, allow_zero=True)
+    _positive("algorithm.minibatches", a.minibatches)
+    _positive("algorithm.micro_batch_size", a.micro_batch_size, allow_zero=True)
+    _positive("rollout.group_size", r.group_size)
+    _positive("rollout.prompts_per_step", r.prompts_per_step)
+    _positive("rollout.max_new_tokens", r.max_new_tokens)
+    _positive("rollout.temperature", r.temperature)
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    batch = r.prompts_per_step * r.group_size
+    if batch % a.minibatches:
+        raise ConfigError(f"rollout batch {batch} (prompts_per_step {r.prompts_per_step} x "
+                          f"group_size {r.group_size}) is not divisible by algorithm.minibatches "
+                          f"{a.minibatches}")
+    if r.engine != "hf":
+        raise ConfigError(f"rollout.engine '{r.engine}' is unknown; available: hf")
+    if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"model.dtype '{cfg.model.dtype}' is unknown; use float32, bfloat16 "
+                          f"or float16")
+    _positive("optim.lr", cfg.optim.lr)
+    _positive("optim.grad_clip", cfg.optim.grad_clip, allow_zero=True)
+    if len(cfg.optim.betas) != 2:
+        raise ConfigError(f"optim.betas must be two numbers, got {cfg.optim.betas}")
+    _positive("warmup.steps", cfg.warmup.steps, allow_zero=True)
+    _positive("warmup.batch_size", cfg.warmup.batch_size)
+    t = cfg.train
+    _positive("train.steps", t.steps, allow_zero=True)
+    _positive("train.eval_k", t.eval_k)
+    _positive("train.eval_temperature", t.eval_temperature, allow_zero=True)
+    for k in ("eval_every", "save_every", "keep_last"):
+        _positive(f"train.{k}", getattr(t, k), allow_zero=True)
+    d = cfg.data
+    if d.task != "arithmetic":
+        raise ConfigError(f"data.task '{d.task}' is unknown; available: arithmetic")
+    _positive("data.digits", d.digits)
+    _positive("data.n_train", d.n_train)
+    _positive("data.n_eval", d.n_eval)
+    if not d.operations or set(d.operations) - set("+-*"):
+        raise ConfigError(f"data.operations '{d.operations}' must be made of + - *")
+    distinct = 10 ** (2 * d.digits) * len(set(d.operations))
+    if d.n_train + d.n_eval > distinct:
+        raise ConfigError(f"data.n_train + data.n_eval = {d.n_train + d.n_eval} exceeds the "
+                          f"{distinct} distinct problems with data.digits={d.digits}; lower them")
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def help_text() -> str:
+    """Every field with its type, default and help, grouped by section."""
+    lines = []
+    for section in dataclasses.fields(Config):
+        lines.append(f"  {section.name}:")
+        for f in dataclasses.fields(section.default_factory()):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"    {section.name}.{f.name}={default!r}\n        {f.metadata['help']}")
+    return "\n".join(lines)

@@ -1,0 +1,290 @@
+"""Models: loading, the tiny Qwen3 / Qwen3-MoE builders, a character tokenizer, per-token log-probs.
+
+What is here:
+
+- `build_tokenizer`: a character-level tokenizer (one token per ASCII character, plus Qwen's chat
+  special tokens and a Qwen-style chat template) for the embedded default. Built locally with the
+  `tokenizers` library; saves and reloads with plain `AutoTokenizer`.
+- `build_tiny_qwen3` / `build_tiny_qwen3_moe`: randomly initialised Qwen3 / Qwen3-MoE models of the
+  real architecture, sized for CPU.
+- `load_model`: a transformers causal LM and its tokenizer from a local directory or hub id, with
+  an error that says what to do when the path is wrong.
+- `token_logprobs` / `logprobs_from_hidden`: log pi(y_t | x, y_<t) of the response tokens without
+  ever materialising the (B, L, V) logits: the decoder runs once, the output embedding is applied
+  in chunks of positions, and each chunk is recomputed in the backward pass (activation
+  checkpointing), so peak memory holds one chunk of logits, not the whole batch.
+
+What is left out: logit soft-capping / logit scaling of models that have them (Gemma-2, Cohere):
+`token_logprobs` applies the plain output embedding, which is what Qwen3, Llama and Mistral do.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+
+import torch
+import torch.nn.functional as F
+import transformers
+from tokenizers import Regex, Tokenizer, decoders, models as tok_models, pre_tokenizers
+from torch.utils.checkpoint import checkpoint
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+UNK_TOKEN = "<unk>"
+SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END, UNK_TOKEN]
+CHARS = string.digits + string.ascii_lowercase + string.ascii_uppercase + string.punctuation + " \n\t"
+
+# Qwen2.5 / Qwen3 chat format without the tool-calling and thinking branches.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer could not be loaded; the message names the path and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer and tiny models
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: ids 0-3 are the special tokens, then one id per character.
+
+    `<|endoftext|>` pads, `<|im_end|>` ends a turn (eos), characters outside the vocabulary map
+    to `<unk>`. Decoding joins tokens with nothing in between, so `decode(encode(s)) == s` for
+    any text over the vocabulary.
+    """
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARS))}
+    backend = Tokenizer(tok_models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    # "." does not match "\n" in the tokenizers regex engine; [\s\S] matches every character.
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()  # WordLevel would otherwise join tokens with spaces
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD_TOKEN,
+        eos_token=IM_END,
+        unk_token=UNK_TOKEN,
+        extra_special_tokens=[IM_START],
+        clean_up_tokenization_spaces=False,
+        model_max_length=1_000_000,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _token_ids(tokenizer) -> dict:
+    # Qwen has no bos token; its configs use <|endoftext|> as bos_token_id, and so do we.
+    return {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.pad_token_id,
+    }
+
+
+def _init_model(model_cls, config, seed: int):
+    # fork_rng: building a model must not move the caller's global RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.generation_config.eos_token_id = config.eos_token_id
+    return model.to(torch.float32)
+
+
+def build_tiny_qwen3(
+    tokenizer,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> Qwen3ForCausalLM:
+    """A randomly initialised float32 Qwen3 causal LM over `tokenizer`'s vocabulary (tied embeddings)."""
+    config = Qwen3Config(
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        dtype=torch.float32,
+        **_token_ids(tokenizer),
+    )
+    return _init_model(Qwen3ForCausalLM, config, seed)
+
+
+def build_tiny_qwen3_moe(
+    tokenizer,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    moe_intermediate_size: int = 64,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> Qwen3MoeForCausalLM:
+    """A randomly initialised float32 Qwen3-MoE causal LM: every layer sparse, top-k routing."""
+    config = Qwen3MoeConfig(
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        intermediate_size=moe_intermediate_size * num_experts_per_tok,  # unused: no dense layers
+        moe_intermediate_size=moe_intermediate_size,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        dtype=torch.float32,
+        **_token_ids(tokenizer),
+    )
+    return _init_model(Qwen3MoeForCausalLM, config, seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _looks_like_path(name: str) -> bool:
+    # A hub id is "name" or "org/name", so one "/" alone does not make a path.
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+
+
+def load_model(
+    name_or_path: str,
+    dtype: str = "float32",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a local directory or a hub id.
+
+    `dtype` is a torch dtype name ("float32", "bfloat16") or "auto" (the checkpoint's own).
+
+    A missing pad token is set to the eos token. A tokenizer without a chat template is returned
+    as is (callers fall back to raw prompts). Raises `ModelLoadError` when loading fails.
+    """
+    hint = "pass a local directory with config.json, weights and tokenizer files, or a hub id with network access"
+    path = os.path.expanduser(name_or_path)
+    if _looks_like_path(name_or_path) and not os.path.exists(path):
+        raise ModelLoadError(f"model {name_or_path!r} not found: {hint}")
+    try:
+        torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, RuntimeError, ImportError) as err:
+        raise ModelLoadError(f"could not load model {name_or_path!r} ({err}): {hint}") from err
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(device), tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-token log-probs
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: the first real token of each row is position 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
+
+
+def _chunk_stats(h, weight, bias, targets, temperature: float, with_entropy: bool):
+    logits = F.linear(h, weight, bias).float() / temperature  # (N, V), N = chunk of positions
+    lse = torch.logsumexp(logits, dim=-1)  # (N,)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse  # (N,)
+    if not with_entropy:
+        return logp, None
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # (N,)
+    return logp, entropy
+
+
+def logprobs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    bias: torch.Tensor | None = None,
+    with_entropy: bool = False,
+):
+    """log softmax(hidden @ weight.T + bias) / temperature) at `targets`, `chunk_size` positions at a time.
+
+    hidden (B, T, H) are the states that predict targets (B, T); weight (V, H). Logits are computed
+    in float32 per chunk and, when gradients are needed, recomputed in the backward pass, so at
+    most one (chunk_size, V) block of logits is alive. Returns logp (B, T), and entropy (B, T) of
+    the temperature-scaled distribution when `with_entropy`.
+    """
+    B, T, H = hidden.shape
+    flat_h, flat_y = hidden.reshape(B * T, H), targets.reshape(B * T)
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    logps, entropies = [], []
+    for start in range(0, B * T, chunk_size):
+        args = (flat_h[start : start + chunk_size], weight, bias, flat_y[start : start + chunk_size])
+        if need_grad:
+            logp, ent = checkpoint(_chunk_stats, *args, temperature, with_entropy, use_reentrant=False)
+        else:
+            logp, ent = _chunk_stats(*args, temperature, with_entropy)
+        logps.append(logp)
+        entropies.append(ent)
+    logp = torch.cat(logps).reshape(B, T)  # (B, T)
+    if not with_entropy:
+        return logp
+    return logp, torch.cat(entropies).reshape(B, T)  # (B, T)
+
+
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    n_response: int,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+):
+    """log pi(y_t | x, y_<t) of the last `n_response` tokens of input_ids, and optionally the entropy.
+
+    input_ids (B, L) is a left-padded prompt followed by a right-padded response; attention_mask
+    (B, L) marks real tokens. Positions are counted from each row's first real token. Values at
+    masked response positions are computed but meaningless: callers mask them. Gradients flow.
+    Returns logp (B, n_response) [, entropy (B, n_response)].
+    """
+    # The last token predicts nothing we score, so the decoder never sees it.
+    ids, mask = input_ids[:, :-1], attention_mask[:, :-1]  # (B, L-1)
+    out = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask))
+    hidden = out.last_hidden_state[:, -n_response:]  # (B, T, H): position t-1 predicts token t
+    head = model.get_output_embeddings()
+    return logprobs_from_hidden(
+        hidden,
+        head.weight,
+        input_ids[:, -n_response:],
+        temperature=temperature,
+        chunk_size=chunk_size,
+        bias=getattr(head, "bias", None),
+        with_entropy=with_entropy,
+    )

@@ -1,0 +1,338 @@
+"""The training loop: supervised warm-up, then GSPO (or GSPO-token, or GRPO) steps.
+
+One RL step, top to bottom in :func:`train`:
+
+    rollout     G responses per prompt from the current policy (the rollout engine)
+    rewards     a verifiable reward per response
+    advantages  group-normalised rewards (objectives.group_advantages)
+    pi_old      per-token log-probs of the responses, recomputed by the training model
+    updates     the batch split into `minibatches` AdamW steps; each loss normalised by the
+                minibatch's global count so that micro-batches sum to the full gradient
+    metrics     one row of metrics.jsonl per step; held-out evaluation every `eval_every` steps
+    checkpoint  Hugging Face format plus optimiser / scheduler / RNG / data position
+
+What is left out here: several processes (see the distributed issue), other rollout engines,
+and routing replay for MoE models.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+
+from gspo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from gspo.config import Config, save_config
+from gspo.data import encode_prompts, score
+from gspo.evaluate import decode_responses, evaluate
+from gspo.logger import MetricsLogger
+from gspo.models import build_tiny_qwen3, build_tokenizer, load_model, token_logprobs
+from gspo.objectives import OBJECTIVES, group_advantages, kl_k3
+from gspo.rollout import HFEngine, Rollouts, SamplingParams, left_pad
+from gspo.tasks import arithmetic
+
+log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. a non-finite loss); the message says what to change."""
+
+
+@dataclass
+class Summary:
+    run_dir: Path
+    start_accuracy: float | None
+    final_accuracy: float | None
+    warmup_s: float
+    rl_s: float
+    peak_rss_mb: float
+    steps: int
+
+
+# --------------------------------------------------------------------------------------------
+# set-up: model, task, optimiser
+
+
+def build_model(cfg: Config):
+    m = cfg.model
+    if m.name_or_path == "tiny-qwen3":
+        tokenizer = build_tokenizer()
+        model = build_tiny_qwen3(tokenizer, hidden_size=m.hidden_size, num_layers=m.num_layers,
+                                 num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+                                 intermediate_size=m.intermediate_size, seed=cfg.train.seed)
+    else:
+        model, tokenizer = load_model(m.name_or_path, dtype=m.dtype)
+    return model.to(getattr(torch, m.dtype)), tokenizer
+
+
+def build_task(cfg: Config):
+    d = cfg.data
+    train_rows, eval_rows = arithmetic.make_splits(d.n_train, d.n_eval, d.digits, d.operations,
+                                                   d.seed)
+    return train_rows, eval_rows, arithmetic.exact_match_reward, arithmetic.solution
+
+
+def build_optimizer(model, lr: float, cfg: Config):
+    o = cfg.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(o.betas),
+                            weight_decay=o.weight_decay)
+    warm = max(1, o.warmup_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    return opt, sched
+
+
+def step_prompts(rows: list[dict], step: int, n: int, seed: int) -> list[dict]:
+    """The prompts of RL step `step`: a function of (seed, step) alone, so resume is exact."""
+    rng = random.Random(seed * 1_000_003 + step)
+    return [rows[i] for i in rng.sample(range(len(rows)), min(n, len(rows)))]
+
+
+# --------------------------------------------------------------------------------------------
+# supervised warm-up
+
+
+def warmup(model, tokenizer, rows: list[dict], solution, cfg: Config) -> float:
+    """Cross-entropy on worked answers (prompt tokens unscored); returns the last loss."""
+    w = cfg.warmup
+    opt, _ = build_optimizer(model, w.lr, cfg)
+    rng = random.Random(cfg.train.seed)
+    eos = tokenizer.eos_token_id
+    loss = torch.tensor(float("nan"))
+    model.train()
+    for _ in _progress(range(w.steps), "warm-up", cfg.train.progress):
+        batch = rng.sample(rows, min(w.batch_size, len(rows)))
+        prompt_ids, prompt_mask = left_pad(encode_prompts(tokenizer, batch), tokenizer.pad_token_id)
+        answers = [tokenizer.encode(solution(r), add_special_tokens=False) + [eos] for r in batch]
+        resp_ids, resp_mask = _right_pad(answers, tokenizer.pad_token_id)
+        input_ids = torch.cat([prompt_ids, resp_ids], 1)
+        attn = torch.cat([prompt_mask, resp_mask.long()], 1)
+        logp = token_logprobs(model, input_ids, attn, resp_ids.shape[1],
+                              chunk_size=cfg.model.logprob_chunk_size)  # (B, T)
+        loss = -(logp * resp_mask).sum() / resp_mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        opt.step()
+    return float(loss.detach())
+
+
+def _right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)  # (B, T)
+    mask = torch.zeros(len(seqs), T)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = 1
+    return ids, mask
+
+
+# --------------------------------------------------------------------------------------------
+# the pieces of one RL step
+
+
+@torch.no_grad()
+def policy_logprobs(model, r: Rollouts, temperature: float, micro: int, chunk: int,
+                    with_entropy: bool = False):
+    """Per-token log-probs (and entropies) of the responses under `model`, no gradient."""
+    outs = [token_logprobs(model, r.input_ids[i:i + micro], r.attention_mask[i:i + micro],
+                           r.response_ids.shape[1], temperature, chunk, with_entropy)
+            for i in range(0, r.response_ids.shape[0], micro)]
+    if not with_entropy:
+        return torch.cat(outs)
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])  # (B, T) each
+
+
+def update(model, optimizer, scheduler, r: Rollouts, old_logp, ref_logp, adv, cfg: Config,
+           gen: torch.Generator) -> dict[str, float]:
+    """`minibatches` optimiser steps over the rollout batch; returns averaged metrics."""
+    a = cfg.algorithm
+    objective = OBJECTIVES[a.name]
+    kwargs = {"eps_low": a.eps_low, "eps_high": a.eps_high}
+    if a.name == "grpo":
+        kwargs.update(aggregation=a.aggregation, max_len=cfg.rollout.max_new_tokens)
+    token_mean = a.name == "grpo" and a.aggregation == "token-mean"
+    B, T = r.response_ids.shape
+    mb_size = B // a.minibatches
+    micro = a.micro_batch_size or mb_size
+    mask = r.response_mask
+    sums: dict[str, float] = {}
+    weight_total = 0.0
+    grad_norms, losses = [], []
+    order = torch.randperm(B, generator=gen)
+    model.train()
+    for mb in order.split(mb_size):
+        # Global normaliser of this optimiser step: every micro-batch divides by the same count.
+        denom = mask[mb].sum() if token_mean else float(len(mb))
+        optimizer.zero_grad(set_to_none=True)
+        mb_loss = 0.0
+        for idx in mb.split(micro):
+            logp = token_logprobs(model, r.input_ids[idx], r.attention_mask[idx], T,
+                                  cfg.rollout.temperature, cfg.model.logprob_chunk_size)
+            loss, metrics = objective(logp, old_logp[idx], adv[idx], mask[idx], denom=denom,
+                                      **kwargs)
+            if a.beta > 0:
+                loss = loss + a.beta * kl_k3(logp, ref_logp[idx], mask[idx]).sum() / len(mb)
+            if not torch.isfinite(loss):
+                raise TrainingError(f"non-finite loss {loss.item()} (metrics: "
+                                    f"{ {k: round(float(v), 4) for k, v in metrics.items()} }); "
+                                    f"lower optim.lr or check the rewards; the last finished "
+                                    f"checkpoint is kept")
+            loss.backward()
+            mb_loss += float(loss.detach())
+            w = float(mask[idx].sum())
+            for k, v in metrics.items():
+                if k == "ratio_min":
+                    sums[k] = min(sums.get(k, float("inf")), float(v))
+                elif k == "ratio_max":
+                    sums[k] = max(sums.get(k, float("-inf")), float(v))
+                else:
+                    sums[k] = sums.get(k, 0.0) + w * float(v)
+            weight_total += w
+        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        optimizer.step()
+        scheduler.step()
+        losses.append(mb_loss)
+    out = {k: (v if k in ("ratio_min", "ratio_max") else v / weight_total) for k, v in sums.items()}
+    out["loss"] = sum(losses) / len(losses)
+    out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    return out
+
+
+def _progress(it, desc: str, enabled: bool):
+    if not enabled:
+        return it
+    from tqdm.auto import tqdm
+    return tqdm(it, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+# --------------------------------------------------------------------------------------------
+# the loop
+
+
+def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Summary:
+    """Run warm-up (unless resuming) and `train.steps` RL steps; write everything to run_dir."""
+    run_dir = Path(run_dir)
+    t = cfg.train
+    if not resume and latest_checkpoint(run_dir) is not None:
+        raise TrainingError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
+                            f"continue it or choose a new --output-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar per save
+    save_config(cfg, run_dir / "config.yaml")
+    torch.manual_seed(t.seed)
+
+    model, tokenizer = build_model(cfg)
+    train_rows, eval_rows, reward_fn, solution = build_task(cfg)
+    engine = HFEngine(model, eos_token_ids=[tokenizer.eos_token_id],
+                      pad_token_id=tokenizer.pad_token_id)
+    optimizer, scheduler = build_optimizer(model, cfg.optim.lr, cfg)
+    r_cfg = cfg.rollout
+    sampling = SamplingParams(r_cfg.temperature, r_cfg.top_p, r_cfg.max_new_tokens)
+    eval_sampling = SamplingParams(t.eval_temperature, r_cfg.top_p, r_cfg.max_new_tokens)
+    B = r_cfg.prompts_per_step * r_cfg.group_size
+    micro = cfg.algorithm.micro_batch_size or B // cfg.algorithm.minibatches
+
+    start_step, state, warmup_s = 0, {}, 0.0
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if resume and ckpt is None:
+        raise TrainingError(f"--resume {run_dir}: no finished checkpoint found there")
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, model, optimizer, scheduler)
+        start_step = int(state["step"])
+        log.info("resumed from %s at step %d", ckpt, start_step)
+    elif cfg.warmup.steps > 0:
+        t0 = time.perf_counter()
+        loss = warmup(model, tokenizer, train_rows, solution, cfg)
+        warmup_s = time.perf_counter() - t0
+        log.info("warm-up: %d steps, final loss %.4f, %.1fs", cfg.warmup.steps, loss, warmup_s)
+    ref_model = copy.deepcopy(model).eval() if cfg.algorithm.beta > 0 else None
+
+    def run_eval() -> dict[str, float]:
+        res = evaluate(engine, tokenizer, eval_rows, reward_fn, t.eval_k, eval_sampling,
+                       seed=t.seed + 999_983)
+        return {"eval/accuracy": res.avg_at_k,
+                **{f"eval/pass@{k}": v for k, v in res.pass_at.items()}}
+
+    logger = MetricsLogger(run_dir, tensorboard=t.tensorboard,
+                           resume_from_step=start_step if ckpt is not None else None)
+    start_acc = state.get("start_accuracy")
+    if ckpt is None and t.eval_every > 0:
+        first = run_eval()
+        start_acc = first["eval/accuracy"]
+        logger.log(0, first)
+    final_acc = state.get("final_accuracy", start_acc)
+    gen = torch.Generator().manual_seed(t.seed)
+    if "update_rng" in state:
+        gen.set_state(state["update_rng"])
+    rl_t0 = time.perf_counter()
+
+    bar = _progress(range(start_step, t.steps), "GSPO" if cfg.algorithm.name == "gspo"
+                    else cfg.algorithm.name.upper(), t.progress)
+    for step in bar:
+        t0 = time.perf_counter()
+        # ---- rollout
+        rows = step_prompts(train_rows, step, r_cfg.prompts_per_step, t.seed)
+        rollouts = engine.generate(encode_prompts(tokenizer, rows), n=r_cfg.group_size,
+                                   params=sampling, seed=t.seed * 7_919 + step)
+        texts = decode_responses(tokenizer, rollouts)
+        t_rollout = time.perf_counter() - t0
+        # ---- rewards and group advantages
+        rewards, reward_failures = score(reward_fn, texts,
+                                         [row for row in rows for _ in range(r_cfg.group_size)])
+        rewards = torch.tensor(rewards)  # (B,)
+        adv = group_advantages(rewards, r_cfg.group_size, cfg.algorithm.advantage_scale)
+        # ---- pi_old (and pi_ref): recomputed by the training model
+        old_logp, entropy = policy_logprobs(model, rollouts, r_cfg.temperature, micro,
+                                            cfg.model.logprob_chunk_size, with_entropy=True)
+        ref_logp = (policy_logprobs(ref_model, rollouts, r_cfg.temperature, micro,
+                                    cfg.model.logprob_chunk_size) if ref_model else None)
+        # ---- minibatch updates
+        t1 = time.perf_counter()
+        m = update(model, optimizer, scheduler, rollouts, old_logp, ref_logp, adv, cfg, gen)
+        engine.load_weights(model.state_dict())
+        t_update = time.perf_counter() - t1
+        # ---- metrics, evaluation, checkpoint
+        mask = rollouts.response_mask
+        n_tokens = float(mask.sum())
+        row = {
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+            "reward/failures": reward_failures,
+            "loss": m["loss"], "clip/frac": m["clip_frac"], "clip/frac_low": m["clip_frac_low"],
+            "clip/frac_high": m["clip_frac_high"], "ratio/mean": m["ratio_mean"],
+            "ratio/min": m["ratio_min"], "ratio/max": m["ratio_max"], "kl/old": m["kl_old"],
+            "entropy": float((entropy * mask).sum() / n_tokens), "grad_norm": m["grad_norm"],
+            "lr": scheduler.get_last_lr()[0],
+            "response/len_mean": n_tokens / mask.shape[0],
+            "time/rollout_s": t_rollout, "time/update_s": t_update,
+            "throughput/tokens_per_s": n_tokens / (time.perf_counter() - t0),
+        }
+        done = step + 1
+        if t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps):
+            row.update(run_eval())
+            final_acc = row["eval/accuracy"]
+        logger.log(done, row)
+        if hasattr(bar, "set_postfix"):
+            bar.set_postfix(reward=f"{row['reward/mean']:.2f}",
+                            acc=f"{final_acc:.2f}" if final_acc is not None else "-")
+        if (t.save_every > 0 and done % t.save_every == 0) or done == t.steps:
+            save_checkpoint(run_dir, done, model, tokenizer, optimizer, scheduler,
+                            {"step": done, "start_accuracy": start_acc,
+                             "final_accuracy": final_acc, "update_rng": gen.get_state()},
+                            keep_last=t.keep_last)
+    logger.close()
+    return Summary(run_dir, start_acc, final_acc, warmup_s, time.perf_counter() - rl_t0,
+                   _peak_rss_mb(), t.steps)

@@ -1,0 +1,46 @@
+import subprocess
+import sys
+
+from gspo.logger import read_metrics
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "gspo", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def test_train_help_lists_config_fields():
+    out = run_cli("train", "--help")
+    assert out.returncode == 0
+    for key in ("algorithm.name", "algorithm.eps_low", "rollout.group_size", "optim.lr",
+                "warmup.steps", "train.eval_every"):
+        assert key in out.stdout
+
+
+def test_cli_train_runs_and_prints_a_summary(tmp_path, tiny_overrides):
+    out = run_cli("train", "--output-dir", str(tmp_path / "run"), *tiny_overrides)
+    assert out.returncode == 0, out.stderr
+    assert "held-out accuracy after RL" in out.stdout
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2]
+
+
+def test_config_error_exits_2_with_one_line_and_no_traceback(tmp_path):
+    out = run_cli("train", "--output-dir", str(tmp_path / "run"), "optim.lrr=1")
+    assert out.returncode == 2
+    assert "unknown config key 'optim.lrr'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_missing_model_exits_2_naming_the_path(tmp_path):
+    out = run_cli("train", "--output-dir", str(tmp_path / "run"),
+                  f"model.name_or_path={tmp_path}/missing-model")
+    assert out.returncode == 2 and "missing-model" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_plot_writes_pngs(tmp_path, tiny_overrides):
+    assert run_cli("train", "--output-dir", str(tmp_path / "run"), *tiny_overrides).returncode == 0
+    out = run_cli("plot", str(tmp_path / "run"), "--out", str(tmp_path / "plots"))
+    assert out.returncode == 0, out.stderr
+    pngs = list((tmp_path / "plots").glob("*.png"))
+    assert pngs and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)

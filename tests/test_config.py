@@ -1,0 +1,78 @@
+import pytest
+
+from gspo.config import Config, ConfigError, help_text, load_config, save_config
+
+
+def test_defaults_resolve_the_gspo_preset():
+    cfg = load_config()
+    assert cfg.algorithm.name == "gspo"
+    assert (cfg.algorithm.eps_low, cfg.algorithm.eps_high) == (3e-4, 4e-4)
+    assert cfg.algorithm.minibatches == 4
+
+
+def test_algorithm_shorthand_selects_grpo_preset():
+    cfg = load_config(overrides=["algorithm=grpo"])
+    assert (cfg.algorithm.name, cfg.algorithm.eps_low, cfg.algorithm.eps_high) == ("grpo", 0.2, 0.27)
+
+
+def test_explicit_eps_beats_the_preset():
+    cfg = load_config(overrides=["algorithm=grpo", "algorithm.eps_high=0.3"])
+    assert cfg.algorithm.eps_high == 0.3 and cfg.algorithm.eps_low == 0.2
+
+
+def test_overrides_are_typed_from_yaml():
+    cfg = load_config(overrides=["optim.lr=1e-3", "optim.betas=[0.9, 0.95]", "train.progress=false",
+                                 "train.steps=7"])
+    assert cfg.optim.lr == 1e-3 and cfg.optim.betas == [0.9, 0.95]
+    assert cfg.train.progress is False and cfg.train.steps == 7
+
+
+def test_yaml_file_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm: grpo\noptim:\n  lr: 0.01\ntrain:\n  steps: 5\n")
+    cfg = load_config(path, ["train.steps=9"])
+    assert cfg.algorithm.name == "grpo" and cfg.optim.lr == 0.01 and cfg.train.steps == 9
+
+
+def test_saved_config_loads_back_identically(tmp_path):
+    cfg = load_config(overrides=["algorithm=grpo", "rollout.group_size=4"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+@pytest.mark.parametrize("override, words", [
+    ("optim.lrr=1", "unknown config key 'optim.lrr'"),
+    ("nosuch.key=1", "unknown config key"),
+    ("optim.lr=fast", "optim.lr: expected float"),
+    ("train.steps=1.5", "train.steps: expected int"),
+    ("algorithm.minibatches=5", "not divisible by algorithm.minibatches"),
+    ("algorithm=ppo", "algorithm.name 'ppo' is unknown"),
+    ("algorithm.eps_low=-0.1", "algorithm.eps_low must be >= 0"),
+    ("rollout.top_p=0", "rollout.top_p"),
+    ("model=3", "is a section"),
+    ("lr", "must look like key.sub=value"),
+    ("data.n_train=99999", "distinct problems"),
+    ("algorithm.aggregation=token-mean", "applies to grpo only"),
+])
+def test_bad_config_raises_one_clear_line(override, words):
+    with pytest.raises(ConfigError, match=words) as e:
+        load_config(overrides=[override])
+    assert "\n" not in str(e.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_help_lists_every_field_with_its_help():
+    text = help_text()
+    import dataclasses
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.default_factory()):
+            assert f"{section.name}.{f.name}=" in text
+            assert f.metadata["help"] in text

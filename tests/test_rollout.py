@@ -1,0 +1,181 @@
+import copy
+
+import pytest
+import torch
+
+from gspo.models import build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer, token_logprobs
+from gspo.rollout import HFEngine, Rollouts, SamplingParams, left_pad, top_p_filter
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    # Different lengths, so the batch is left-padded.
+    return [tok.encode("12+7="), tok.encode("<|im_start|>user\nhi<|im_end|>\n"), tok.encode("x")]
+
+
+def with_eos_bias(model, eos_id: int, bias: float):
+    """A copy of model whose lm_head adds `bias` to the eos logit (untied head with a bias)."""
+    biased = copy.deepcopy(model)
+    weight = biased.model.embed_tokens.weight
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=True)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        head.bias.zero_()
+        head.bias[eos_id] = bias
+    biased.lm_head = head
+    return biased
+
+
+def recompute(model, r: Rollouts, temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        return token_logprobs(model, r.input_ids, r.attention_mask, r.response_ids.shape[1], temperature)
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def test_left_pad():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    # cumulative mass before each token: 0, 0.5, 0.8
+    assert torch.isfinite(top_p_filter(logits, 0.6)).tolist() == [[True, True, False]]
+    assert torch.isfinite(top_p_filter(logits, 0.4)).tolist() == [[True, False, False]]
+    assert torch.equal(top_p_filter(logits, 1.0), logits)
+
+
+def test_sampling_params_are_validated():
+    for bad in [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(max_new_tokens=0)]:
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+# --- HFEngine ----------------------------------------------------------------------------------
+
+
+def test_shapes_and_prompt_major_layout(tok, model, prompts):
+    r = HFEngine(model).generate(prompts, n=2, params=SamplingParams(max_new_tokens=6), seed=0)
+    B, Lp = 6, max(len(p) for p in prompts)
+    assert r.prompt_ids.shape == r.prompt_mask.shape == (B, Lp)
+    assert r.response_ids.shape == r.response_mask.shape == r.logp.shape
+    assert r.response_ids.shape[0] == B and r.response_ids.shape[1] <= 6
+    assert r.input_ids.shape == r.attention_mask.shape == (B, Lp + r.response_ids.shape[1])
+    assert r.response_mask.dtype == torch.float32 and r.response_lengths.dtype == torch.long
+    for row in range(B):  # rows [p0s0, p0s1, p1s0, p1s1, p2s0, p2s1]
+        p = prompts[row // 2]
+        assert r.prompt_ids[row, Lp - len(p) :].tolist() == p
+        assert (r.prompt_ids[row, : Lp - len(p)] == tok.pad_token_id).all()
+        assert r.prompt_mask[row].sum() == len(p)
+
+
+def test_same_seed_same_rollouts_other_seed_differs(model, prompts):
+    engine, params = HFEngine(model), SamplingParams(temperature=1.0, max_new_tokens=8)
+    a, b = engine.generate(prompts, 2, params, seed=3), engine.generate(prompts, 2, params, seed=3)
+    c = engine.generate(prompts, 2, params, seed=4)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logp, b.logp)
+    assert not torch.equal(a.response_ids, c.response_ids)
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.9)])
+def test_sampler_logp_equals_recomputed_token_logprobs(model, prompts, temperature, top_p):
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=10)
+    r = HFEngine(model).generate(prompts, 2, params, seed=0)
+    mask = r.response_mask.bool()
+    torch.testing.assert_close(r.logp[mask], recompute(model, r, temperature)[mask], atol=1e-4, rtol=0)
+    assert (r.logp[~mask] == 0).all()
+
+
+def test_moe_sampler_logp_equals_recomputed_token_logprobs(tok, prompts):
+    moe = build_tiny_qwen3_moe(tok, hidden_size=32, num_heads=2, num_kv_heads=1, moe_intermediate_size=16)
+    r = HFEngine(moe).generate(prompts, 2, SamplingParams(temperature=0.9, max_new_tokens=6), seed=0)
+    mask = r.response_mask.bool()
+    torch.testing.assert_close(r.logp[mask], recompute(moe, r, 0.9)[mask], atol=1e-4, rtol=0)
+
+
+def test_mask_stops_after_eos_and_padding_holds_pad_id(tok, model, prompts):
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    biased = with_eos_bias(model, eos, bias=1.5)  # eos likely, but not certain, at each step
+    r = HFEngine(biased).generate(prompts, 4, SamplingParams(max_new_tokens=12), seed=0)
+    lengths = r.response_lengths.tolist()
+    assert min(lengths) < max(lengths)  # rows stop at different steps
+    for row, n in enumerate(lengths):
+        ids = r.response_ids[row].tolist()
+        assert r.response_mask[row].tolist() == [1.0] * n + [0.0] * (len(ids) - n)
+        assert eos not in ids[: n - 1]
+        if n < len(ids) or ids[n - 1] == eos:  # finished: eos is the last real token
+            assert ids[n - 1] == eos and ids[n:] == [pad] * (len(ids) - n)
+    mask = r.response_mask.bool()
+    torch.testing.assert_close(r.logp[mask], recompute(biased, r, 1.0)[mask], atol=1e-4, rtol=0)
+
+
+def test_loop_ends_when_all_rows_finished(tok, model, prompts):
+    certain_eos = with_eos_bias(model, tok.eos_token_id, bias=100.0)
+    r = HFEngine(certain_eos).generate(prompts, 2, SamplingParams(max_new_tokens=8), seed=0)
+    assert r.response_ids.shape[1] == 1 and (r.response_ids == tok.eos_token_id).all()
+    assert (r.response_lengths == 1).all()
+
+
+def test_max_new_tokens_respected(tok, model, prompts):
+    no_eos = with_eos_bias(model, tok.eos_token_id, bias=-100.0)
+    r = HFEngine(no_eos).generate(prompts, 2, SamplingParams(max_new_tokens=5), seed=0)
+    assert r.response_ids.shape[1] == 5 and (r.response_lengths == 5).all()
+
+
+def test_greedy_equals_transformers_generate_and_full_forward_argmax(tok, model, prompts):
+    r = HFEngine(model).generate(prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=10), seed=0)
+    out = model.generate(
+        input_ids=r.prompt_ids,
+        attention_mask=r.prompt_mask,
+        do_sample=False,
+        max_new_tokens=10,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    assert torch.equal(out[:, r.prompt_ids.shape[1] :], r.response_ids)
+    # No cache: each greedy token is the argmax of a full forward over the final sequence.
+    T = r.response_ids.shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=r.input_ids, attention_mask=r.attention_mask).logits[:, -T - 1 : -1]
+    mask = r.response_mask.bool()
+    assert torch.equal(logits.argmax(-1)[mask], r.response_ids[mask])
+    torch.testing.assert_close(r.logp[mask], recompute(model, r, 1.0)[mask], atol=1e-4, rtol=0)
+
+
+def test_tiny_top_p_behaves_as_greedy(model, prompts):
+    engine = HFEngine(model)
+    greedy = engine.generate(prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=8), seed=0)
+    nucleus = engine.generate(prompts, 2, SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=8), seed=5)
+    assert torch.equal(nucleus.response_ids[::2], greedy.response_ids)
+    assert torch.equal(nucleus.response_ids[1::2], greedy.response_ids)
+
+
+def test_generate_restores_train_mode_and_returns_trainable_tensors(model, prompts):
+    engine = HFEngine(model)
+    model.train()
+    r = engine.generate(prompts, 1, SamplingParams(max_new_tokens=4), seed=0)
+    assert model.training
+    # The rollout tensors can enter the training graph (no inference-mode tensors leak out).
+    logp = token_logprobs(model, r.input_ids, r.attention_mask, r.response_ids.shape[1])
+    ((logp - r.logp) * r.response_mask).sum().backward()
+    assert model.model.embed_tokens.weight.grad is not None
+    model.zero_grad()
+    model.eval()
+    engine.generate(prompts, 1, SamplingParams(max_new_tokens=2), seed=0)
+    assert not model.training
+
+
+def test_load_weights_is_noop_for_own_weights_and_copies_others(tok, model, prompts):
+    engine = HFEngine(copy.deepcopy(model))
+    before = engine.model.model.embed_tokens.weight.data_ptr()
+    engine.load_weights(engine.model.state_dict())
+    assert engine.model.model.embed_tokens.weight.data_ptr() == before
+
+    other = build_tiny_qwen3(tok, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, seed=9)
+    engine.load_weights(other.state_dict())
+    params = SamplingParams(max_new_tokens=6)
+    expected = HFEngine(other).generate(prompts, 2, params, seed=1).response_ids
+    assert torch.equal(engine.generate(prompts, 2, params, seed=1).response_ids, expected)

@@ -1,0 +1,113 @@
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from gspo.checkpoint import latest_checkpoint
+from gspo.config import load_config
+from gspo.logger import read_metrics
+from gspo.trainer import TrainingError, build_model, train
+
+REQUIRED_KEYS = ["step", "reward/mean", "reward/std", "loss", "clip/frac", "clip/frac_low",
+                 "clip/frac_high", "ratio/mean", "kl/old", "entropy", "grad_norm",
+                 "response/len_mean", "time/rollout_s", "time/update_s",
+                 "throughput/tokens_per_s"]
+TIMING_KEYS = {"time/rollout_s", "time/update_s", "throughput/tokens_per_s"}
+
+
+def test_two_step_run_trains_and_logs_every_metric(tmp_path, tiny_overrides):
+    cfg = load_config(overrides=tiny_overrides)
+    initial = build_model(cfg)[0].state_dict()  # same seed -> the weights train() starts from
+    summary = train(cfg, tmp_path / "run")
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "eval/accuracy" in rows[0] and "loss" not in rows[0]  # step 0: evaluation only
+    for row in rows[1:]:
+        for key in REQUIRED_KEYS + ["eval/accuracy"]:
+            assert key in row, key
+        assert math.isfinite(row["loss"])
+    final = AutoModelForCausalLM.from_pretrained(latest_checkpoint(tmp_path / "run"))
+    changed = [k for k, v in final.state_dict().items() if not torch.equal(v, initial[k])]
+    assert changed, "no parameter changed"
+    assert (tmp_path / "run" / "config.yaml").is_file()
+    assert summary.final_accuracy == rows[-1]["eval/accuracy"]
+
+
+def test_checkpoint_loads_with_plain_transformers(tmp_path, tiny_overrides):
+    cfg = load_config(overrides=tiny_overrides + ["train.steps=1"])
+    train(cfg, tmp_path / "run")
+    ckpt = latest_checkpoint(tmp_path / "run")
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    ids = tok("12+34=", return_tensors="pt").input_ids
+    ours, tokenizer = build_model(cfg)
+    ours.load_state_dict(model.state_dict())
+    assert tok("12+34=").input_ids == tokenizer("12+34=").input_ids
+    torch.testing.assert_close(model(ids).logits, ours(ids).logits)
+
+
+def _strip_timing(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+
+@pytest.mark.parametrize("algorithm", ["gspo", "grpo"])
+def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, tiny_overrides, algorithm):
+    base = tiny_overrides + [f"algorithm={algorithm}", "train.steps=4", "train.eval_every=2",
+                             "train.save_every=2"]
+    train(load_config(overrides=base), tmp_path / "full")
+    # the same run stopped after step 2, then resumed to step 4
+    train(load_config(overrides=base + ["train.steps=2"]), tmp_path / "cut")
+    train(load_config(overrides=base), tmp_path / "cut", resume=True)
+    full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
+    assert _strip_timing(full) == _strip_timing(cut)
+    a = AutoModelForCausalLM.from_pretrained(latest_checkpoint(tmp_path / "full")).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(latest_checkpoint(tmp_path / "cut")).state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def test_run_dir_with_checkpoints_is_never_overwritten(tmp_path, tiny_overrides):
+    cfg = load_config(overrides=tiny_overrides + ["train.steps=1"])
+    train(cfg, tmp_path / "run")
+    before = latest_checkpoint(tmp_path / "run")
+    with pytest.raises(TrainingError, match="--resume"):
+        train(cfg, tmp_path / "run")
+    assert latest_checkpoint(tmp_path / "run") == before and before.is_dir()
+
+
+def test_nan_loss_stops_with_a_clear_error_and_keeps_checkpoints(tmp_path, tiny_overrides,
+                                                                monkeypatch):
+    cfg = load_config(overrides=tiny_overrides + ["train.steps=3"])
+    import gspo.trainer as trainer
+
+    real = trainer.OBJECTIVES["gspo"]
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] > 4 else loss), metrics  # step 2 onwards
+
+    monkeypatch.setitem(trainer.OBJECTIVES, "gspo", poisoned)
+    with pytest.raises(TrainingError, match="non-finite loss"):
+        train(cfg, tmp_path / "run")
+    assert latest_checkpoint(tmp_path / "run").name == "step_000001"
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path, tiny_overrides):
+    from gspo.models import ModelLoadError
+
+    cfg = load_config(overrides=tiny_overrides + [f"model.name_or_path={tmp_path}/no-such-model"])
+    with pytest.raises(ModelLoadError, match="no-such-model"):
+        train(cfg, tmp_path / "run")
+
+
+def test_a_saved_run_trains_from_a_local_model_path(tmp_path, tiny_overrides):
+    train(load_config(overrides=tiny_overrides + ["train.steps=1"]), tmp_path / "a")
+    ckpt = latest_checkpoint(tmp_path / "a")
+    cfg = load_config(overrides=tiny_overrides + [f"model.name_or_path={ckpt}", "warmup.steps=0",
+                                                  "train.steps=1"])
+    summary = train(cfg, tmp_path / "b")
+    assert summary.steps == 1 and latest_checkpoint(tmp_path / "b") is not None
