@@ -30,13 +30,16 @@ def _f(default: Any, help: str) -> Any:
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = _f("tiny-qwen3", "'tiny-qwen3' (built locally, offline) or a local "
-                           "directory / hub id of any Hugging Face causal LM")
+    name_or_path: str = _f("tiny-qwen3", "'tiny-qwen3' or 'tiny-qwen3-moe' (built locally, "
+                           "offline) or a local directory / hub id of any Hugging Face causal LM")
     hidden_size: int = _f(128, "tiny model only: hidden size")
     num_layers: int = _f(2, "tiny model only: number of decoder layers")
     num_heads: int = _f(4, "tiny model only: attention heads")
     num_kv_heads: int = _f(2, "tiny model only: key/value heads (GQA)")
     intermediate_size: int = _f(512, "tiny model only: MLP width")
+    num_experts: int = _f(8, "tiny MoE only: experts per layer")
+    num_experts_per_tok: int = _f(2, "tiny MoE only: experts activated per token (top-k)")
+    moe_intermediate_size: int = _f(128, "tiny MoE only: width of each expert's MLP")
     dtype: str = _f("float32", "training dtype: float32 | bfloat16 | float16")
     logprob_chunk_size: int = _f(1024, "positions per chunk when computing log-probs "
                                  "(bounds the (chunk, V) logits held at once)")
@@ -84,6 +87,8 @@ class AlgorithmConfig:
     micro_batch_size: int = _f(0, "sequences per forward/backward (0 = the whole minibatch); "
                                "gradients accumulate with global denominators")
     beta: float = _f(0.0, "KL penalty to the initial policy (k3); 0 = off, as in the paper")
+    routing_replay: bool = _f(False, "MoE: record the experts chosen under pi_old and force "
+                              "them when computing pi_theta (GRPO needs it, GSPO should not)")
 
 
 @dataclass
@@ -287,7 +292,11 @@ def resolve(cfg: Config) -> Config:
     _positive("train.eval_temperature", t.eval_temperature, allow_zero=True)
     for k in ("eval_every", "save_every", "keep_last"):
         _positive(f"train.{k}", getattr(t, k), allow_zero=True)
-    d = cfg.data
+    _check_data(cfg.data)
+    return cfg
+
+
+def _check_data(d: DataConfig) -> None:
     if d.task != "arithmetic":
         raise ConfigError(f"data.task '{d.task}' is unknown; available: arithmetic")
     _positive("data.digits", d.digits)
@@ -299,7 +308,6 @@ def resolve(cfg: Config) -> Config:
     if d.n_train + d.n_eval > distinct:
         raise ConfigError(f"data.n_train + data.n_eval = {d.n_train + d.n_eval} exceeds the "
                           f"{distinct} distinct problems with data.digits={d.digits}; lower them")
-    return cfg
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -17,6 +17,7 @@ and routing replay for MoE models.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import random
@@ -34,10 +35,12 @@ from gspo.config import Config, save_config
 from gspo.data import encode_prompts, score
 from gspo.evaluate import decode_responses, evaluate
 from gspo.logger import MetricsLogger
-from gspo.models import build_tiny_qwen3, build_tokenizer, load_model, token_logprobs
+from gspo.models import (build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer, load_model,
+                         token_logprobs)
+from gspo.moe import RoutingRecorder, expert_volatility, is_moe, load_stats
 from gspo.objectives import OBJECTIVES, group_advantages, kl_k3
 from gspo.rollout import HFEngine, Rollouts, SamplingParams, left_pad
-from gspo.tasks import arithmetic
+from gspo.tasks import build_task
 
 log = logging.getLogger(__name__)
 
@@ -63,21 +66,19 @@ class Summary:
 
 def build_model(cfg: Config):
     m = cfg.model
+    shape = dict(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
+                 num_kv_heads=m.num_kv_heads, seed=cfg.train.seed)
     if m.name_or_path == "tiny-qwen3":
         tokenizer = build_tokenizer()
-        model = build_tiny_qwen3(tokenizer, hidden_size=m.hidden_size, num_layers=m.num_layers,
-                                 num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-                                 intermediate_size=m.intermediate_size, seed=cfg.train.seed)
+        model = build_tiny_qwen3(tokenizer, intermediate_size=m.intermediate_size, **shape)
+    elif m.name_or_path == "tiny-qwen3-moe":
+        tokenizer = build_tokenizer()
+        model = build_tiny_qwen3_moe(tokenizer, moe_intermediate_size=m.moe_intermediate_size,
+                                     num_experts=m.num_experts,
+                                     num_experts_per_tok=m.num_experts_per_tok, **shape)
     else:
         model, tokenizer = load_model(m.name_or_path, dtype=m.dtype)
     return model.to(getattr(torch, m.dtype)), tokenizer
-
-
-def build_task(cfg: Config):
-    d = cfg.data
-    train_rows, eval_rows = arithmetic.make_splits(d.n_train, d.n_eval, d.digits, d.operations,
-                                                   d.seed)
-    return train_rows, eval_rows, arithmetic.exact_match_reward, arithmetic.solution
 
 
 def build_optimizer(model, lr: float, cfg: Config):
@@ -141,19 +142,44 @@ def _right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.
 
 @torch.no_grad()
 def policy_logprobs(model, r: Rollouts, temperature: float, micro: int, chunk: int,
-                    with_entropy: bool = False):
-    """Per-token log-probs (and entropies) of the responses under `model`, no gradient."""
-    outs = [token_logprobs(model, r.input_ids[i:i + micro], r.attention_mask[i:i + micro],
-                           r.response_ids.shape[1], temperature, chunk, with_entropy)
-            for i in range(0, r.response_ids.shape[0], micro)]
+                    with_entropy: bool = False, route=None):
+    """Per-token log-probs (and entropies) of the responses under `model`, no gradient.
+
+    route: optional `rows -> context manager` (a RoutingRecorder's record), entered around
+    each micro-batch so that MoE routing is recorded per row.
+    """
+    outs = []
+    for rows in torch.arange(r.response_ids.shape[0]).split(micro):
+        with route(rows) if route else contextlib.nullcontext():
+            outs.append(token_logprobs(model, r.input_ids[rows], r.attention_mask[rows],
+                                       r.response_ids.shape[1], temperature, chunk, with_entropy))
     if not with_entropy:
         return torch.cat(outs)
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])  # (B, T) each
 
 
+def moe_metrics(model, routing: RoutingRecorder, r: Rollouts, cfg: Config, micro: int
+                ) -> dict[str, float]:
+    """Router load under pi_old and the expert volatility of this step's updates: the same
+    rollout tokens routed again by the updated policy, compared with pi_old's routing."""
+    n, seq_len = r.input_ids.shape[0], r.input_ids.shape[1] - 1
+    routing.allocate("new", n, seq_len)
+    policy_logprobs(model, r, cfg.rollout.temperature, micro, cfg.model.logprob_chunk_size,
+                    route=lambda rows: routing.record(rows, store="new"))
+    # position j of the decoder input predicts token j + 1: response tokens sit at the end
+    mask = torch.zeros(n, seq_len)
+    mask[:, -r.response_ids.shape[1]:] = r.response_mask
+    num_experts = routing.routers[0][1].num_experts
+    stats = {**expert_volatility(routing.indices("old"), routing.indices("new"), mask),
+             **load_stats(routing.indices("old"), mask, num_experts)}
+    return {f"moe/{k}": v for k, v in stats.items()}
+
+
 def update(model, optimizer, scheduler, r: Rollouts, old_logp, ref_logp, adv, cfg: Config,
-           gen: torch.Generator) -> dict[str, float]:
-    """`minibatches` optimiser steps over the rollout batch; returns averaged metrics."""
+           gen: torch.Generator, replay: RoutingRecorder | None = None) -> dict[str, float]:
+    """`minibatches` optimiser steps over the rollout batch; returns averaged metrics.
+
+    replay: a RoutingRecorder holding pi_old's routing, to force it (Routing Replay)."""
     a = cfg.algorithm
     objective = OBJECTIVES[a.name]
     kwargs = {"eps_low": a.eps_low, "eps_high": a.eps_high}
@@ -175,8 +201,9 @@ def update(model, optimizer, scheduler, r: Rollouts, old_logp, ref_logp, adv, cf
         optimizer.zero_grad(set_to_none=True)
         mb_loss = 0.0
         for idx in mb.split(micro):
-            logp = token_logprobs(model, r.input_ids[idx], r.attention_mask[idx], T,
-                                  cfg.rollout.temperature, cfg.model.logprob_chunk_size)
+            with replay.replay(idx) if replay else contextlib.nullcontext():
+                logp = token_logprobs(model, r.input_ids[idx], r.attention_mask[idx], T,
+                                      cfg.rollout.temperature, cfg.model.logprob_chunk_size)
             loss, metrics = objective(logp, old_logp[idx], adv[idx], mask[idx], denom=denom,
                                       **kwargs)
             if a.beta > 0:
@@ -236,7 +263,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Summary:
     torch.manual_seed(t.seed)
 
     model, tokenizer = build_model(cfg)
-    train_rows, eval_rows, reward_fn, solution = build_task(cfg)
+    train_rows, eval_rows, reward_fn, solution = build_task(cfg.data)
     engine = HFEngine(model, eos_token_ids=[tokenizer.eos_token_id],
                       pad_token_id=tokenizer.pad_token_id)
     optimizer, scheduler = build_optimizer(model, cfg.optim.lr, cfg)
@@ -260,6 +287,11 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Summary:
         warmup_s = time.perf_counter() - t0
         log.info("warm-up: %d steps, final loss %.4f, %.1fs", cfg.warmup.steps, loss, warmup_s)
     ref_model = copy.deepcopy(model).eval() if cfg.algorithm.beta > 0 else None
+    routing = RoutingRecorder(model) if is_moe(model) else None
+    if cfg.algorithm.routing_replay and routing is None:
+        raise TrainingError(f"algorithm.routing_replay=true needs a Mixture-of-Experts model "
+                            f"with top-k routers (e.g. model.name_or_path=tiny-qwen3-moe); "
+                            f"{cfg.model.name_or_path} has none")
 
     def run_eval() -> dict[str, float]:
         res = evaluate(engine, tokenizer, eval_rows, reward_fn, t.eval_k, eval_sampling,
@@ -296,15 +328,21 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Summary:
         rewards = torch.tensor(rewards)  # (B,)
         adv = group_advantages(rewards, r_cfg.group_size, cfg.algorithm.advantage_scale)
         # ---- pi_old (and pi_ref): recomputed by the training model
+        if routing:
+            routing.allocate("old", B, rollouts.input_ids.shape[1] - 1)
         old_logp, entropy = policy_logprobs(model, rollouts, r_cfg.temperature, micro,
-                                            cfg.model.logprob_chunk_size, with_entropy=True)
+                                            cfg.model.logprob_chunk_size, with_entropy=True,
+                                            route=routing.record if routing else None)
         ref_logp = (policy_logprobs(ref_model, rollouts, r_cfg.temperature, micro,
                                     cfg.model.logprob_chunk_size) if ref_model else None)
         # ---- minibatch updates
         t1 = time.perf_counter()
-        m = update(model, optimizer, scheduler, rollouts, old_logp, ref_logp, adv, cfg, gen)
+        m = update(model, optimizer, scheduler, rollouts, old_logp, ref_logp, adv, cfg, gen,
+                   replay=routing if cfg.algorithm.routing_replay else None)
         engine.load_weights(model.state_dict())
         t_update = time.perf_counter() - t1
+        if routing:
+            m.update(moe_metrics(model, routing, rollouts, cfg, micro))
         # ---- metrics, evaluation, checkpoint
         mask = rollouts.response_mask
         n_tokens = float(mask.sum())
@@ -319,6 +357,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Summary:
             "response/len_mean": n_tokens / mask.shape[0],
             "time/rollout_s": t_rollout, "time/update_s": t_update,
             "throughput/tokens_per_s": n_tokens / (time.perf_counter() - t0),
+            **{k: v for k, v in m.items() if k.startswith("moe/")},
         }
         done = step + 1
         if t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps):

@@ -1,0 +1,151 @@
+"""Mixture-of-Experts support: Routing Replay and expert-activation volatility.
+
+After a gradient step the experts a token is routed to can change (the paper measured about
+10% of activated experts changing per update on Qwen3-30B-A3B-Base). Token-level ratios (GRPO)
+then compare likelihoods computed by different sub-networks; **Routing Replay** removes that by
+caching the experts chosen under pi_old and forcing them when pi_theta is computed. GSPO does
+not need it; we implement it so that the claim can be measured.
+
+Works with any router that follows transformers' Qwen3-MoE pattern: a module whose forward
+maps hidden states (N, H) to ``(router_logits (N, E), topk_weights (N, k), topk_indices (N, k))``
+and that has ``top_k`` and ``num_experts`` attributes (optionally ``norm_topk_prob``). A dense
+model has no such module, gets no hook and is left untouched.
+
+Replay keeps the router learning: the forced experts' weights are recomputed from the current
+router logits, softmax over all experts gathered at the recorded indices (and renormalised over
+the k chosen when the router does so), so gradients still reach the router.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+
+
+def find_routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every top-k router, in layer order."""
+    return [(name, m) for name, m in model.named_modules()
+            if hasattr(m, "top_k") and hasattr(m, "num_experts") and
+            isinstance(getattr(m, "weight", None), Tensor) and m.weight.dim() == 2]
+
+
+def is_moe(model: nn.Module) -> bool:
+    return bool(find_routers(model))
+
+
+class RoutingRecorder:
+    """Forward hooks on every router that record or replay the chosen experts per row.
+
+    A forward over rows ``rows`` of the rollout batch sees its router input flattened to
+    (len(rows) * L, H); recordings are kept per row as (B, L, k) so that a later forward over any
+    subset of rows, in any order, replays exactly the experts those tokens had.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.routers = find_routers(model)
+        self.stores: dict[str, list[Tensor]] = {}
+        self._mode: str | None = None
+        self._rows: Tensor | None = None
+        self._store = ""
+        self._handles = [m.register_forward_hook(self._hook(i))
+                         for i, (_, m) in enumerate(self.routers)]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @contextlib.contextmanager
+    def _active(self, mode: str, rows: Tensor, store: str) -> Iterator[None]:
+        if self._mode is not None:
+            raise RuntimeError("routing recorder is already active")
+        self._mode, self._rows, self._store = mode, rows, store
+        try:
+            yield
+        finally:
+            self._mode, self._rows = None, None
+
+    def record(self, rows: Tensor, store: str = "old"):
+        """Within this context, forwards over batch rows `rows` record their routing."""
+        return self._active("record", rows, store)
+
+    def replay(self, rows: Tensor, store: str = "old"):
+        """Within this context, forwards over batch rows `rows` use the recorded routing."""
+        return self._active("replay", rows, store)
+
+    def indices(self, store: str = "old") -> list[Tensor]:
+        """Recorded top-k indices, one (B, L, k) tensor per router."""
+        return self.stores[store]
+
+    def _hook(self, layer: int):
+        def hook(module: nn.Module, args, output):
+            if self._mode is None:
+                return None
+            logits, weights, idx = output
+            b = len(self._rows)
+            if self._mode == "record":
+                self._write(layer, idx.detach().view(b, -1, idx.shape[-1]))
+                return None
+            forced = self.stores[self._store][layer][self._rows].reshape(idx.shape)  # (N, k)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # (N, E)
+            w = probs.gather(-1, forced)  # (N, k), differentiable w.r.t. the router
+            if getattr(module, "norm_topk_prob", False):
+                w = w / w.sum(-1, keepdim=True)
+            return logits, w.to(weights.dtype), forced
+        return hook
+
+    def _write(self, layer: int, idx: Tensor) -> None:
+        if self._store not in self.stores:
+            raise RuntimeError(f"call allocate({self._store!r}, n_rows, seq_len) before recording")
+        self.stores[self._store][layer][self._rows] = idx
+
+    def allocate(self, store: str, n_rows: int, seq_len: int) -> None:
+        """Make room for (n_rows, seq_len, k) recorded indices per router."""
+        self.stores[store] = [torch.zeros(n_rows, seq_len, m.top_k, dtype=torch.long)
+                              for _, m in self.routers]
+
+
+def expert_volatility(old: list[Tensor], new: list[Tensor], mask: Tensor) -> dict[str, float]:
+    """How much routing changed between two recordings of the same tokens.
+
+    old, new: one (B, L, k) tensor of expert indices per layer; mask (B, L) marks the tokens
+    that count (the response tokens). Returns
+        volatility        fraction of activated experts (token, layer, slot) not activated
+                          again: 1 - |old ∩ new| / k, averaged over (token, layer)
+        changed_frac      fraction of (token, layer) whose expert set differs at all
+    """
+    if not old:
+        return {}
+    sel = mask > 0
+    changed, kept_frac = [], []
+    for o, n in zip(old, new, strict=True):
+        o, n = o[sel], n[sel]  # (N, k)
+        hits = (o[:, :, None] == n[:, None, :]).any(-1).float()  # (N, k): old expert kept?
+        kept_frac.append(hits.mean(-1))
+        changed.append((hits.sum(-1) < o.shape[-1]).float())
+    return {"volatility": float(1 - torch.cat(kept_frac).mean()),
+            "changed_frac": float(torch.cat(changed).mean())}
+
+
+def load_stats(indices: list[Tensor], mask: Tensor, num_experts: int) -> dict[str, float]:
+    """Router load balance over the masked tokens: per-layer expert load, summarised.
+
+        load_max   max over layers and experts of (load fraction) / (ideal 1/E)
+        load_min   min of the same (0 = an expert no masked token used)
+        load_cv    coefficient of variation of the per-expert load, mean over layers
+    """
+    if not indices:
+        return {}
+    sel = mask > 0
+    rel, cvs = [], []
+    for idx in indices:
+        counts = torch.bincount(idx[sel].flatten(), minlength=num_experts).float()  # (E,)
+        frac = counts / counts.sum()
+        rel.append(frac * num_experts)
+        cvs.append(frac.std() / frac.mean())
+    rel = torch.stack(rel)
+    return {"load_max": float(rel.max()), "load_min": float(rel.min()),
+            "load_cv": float(torch.stack(cvs).mean())}

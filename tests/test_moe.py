@@ -1,0 +1,139 @@
+import pytest
+import torch
+
+from gspo.models import build_tiny_qwen3_moe, token_logprobs
+from gspo.moe import RoutingRecorder, expert_volatility, find_routers, load_stats
+
+
+@pytest.fixture
+def moe(tok):
+    return build_tiny_qwen3_moe(tok, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                                moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+
+
+@pytest.fixture
+def batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 90, (4, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded prompt
+    return ids, mask
+
+
+class ChoiceSpy:
+    """Captures the experts each router actually hands to its experts module."""
+
+    def __init__(self, model):
+        self.chosen = []
+        self.handles = [m.register_forward_hook(lambda mod, a, out: self.chosen.append(out[2]))
+                        for _, m in find_routers(model)]
+
+
+def _record(model, rec, ids, mask, rows=None):
+    rows = torch.arange(len(ids)) if rows is None else rows
+    rec.allocate("old", len(ids), ids.shape[1] - 1)
+    with torch.no_grad(), rec.record(rows):
+        return token_logprobs(model, ids, mask, 5)
+
+
+def test_replay_forces_the_recorded_experts_after_the_router_changed(moe, batch):
+    ids, mask = batch
+    rec = RoutingRecorder(moe)
+    _record(moe, rec, ids, mask)
+    with torch.no_grad():
+        for _, router in find_routers(moe):
+            router.weight.copy_(torch.randn_like(router.weight) * 5)  # a very different router
+    spy = ChoiceSpy(moe)  # registered after the recorder: sees the replayed output
+    free = ChoiceSpy(moe)
+    with torch.no_grad():
+        token_logprobs(moe, ids, mask, 5)  # free routing under the new router
+    free_choice = [c.clone() for c in free.chosen]
+    spy.chosen.clear()
+    rows = torch.tensor([2, 0, 3, 1])  # a shuffled micro-batch, as the update pass uses
+    with torch.no_grad(), rec.replay(rows):
+        token_logprobs(moe, ids[rows], mask[rows], 5)
+    for layer, chosen in enumerate(spy.chosen):
+        recorded = rec.indices()[layer][rows].reshape(chosen.shape)
+        assert torch.equal(chosen, recorded)
+    # and the new router really would have chosen differently
+    assert any(not torch.equal(f, rec.indices()[i].reshape(f.shape))
+               for i, f in enumerate(free_choice))
+
+
+def test_replay_without_a_weight_change_equals_free_routing(moe, batch):
+    ids, mask = batch
+    rec = RoutingRecorder(moe)
+    free = _record(moe, rec, ids, mask)
+    with torch.no_grad(), rec.replay(torch.arange(len(ids))):
+        replayed = token_logprobs(moe, ids, mask, 5)
+    torch.testing.assert_close(replayed, free, rtol=0, atol=1e-6)
+
+
+def test_replayed_router_weights_still_get_gradients(moe, batch):
+    ids, mask = batch
+    rec = RoutingRecorder(moe)
+    _record(moe, rec, ids, mask)
+    with rec.replay(torch.arange(len(ids))):
+        token_logprobs(moe, ids, mask, 5).sum().backward()
+    for _, router in find_routers(moe):
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+def test_volatility_on_a_hand_built_case():
+    # one layer, k=2, three counted tokens and one masked token:
+    #   token 0: {1,2} -> {2,1}  no change            (kept 2/2)
+    #   token 1: {0,3} -> {0,5}  one expert changed    (kept 1/2)
+    #   token 2: {4,6} -> {5,7}  both changed          (kept 0/2)
+    #   token 3: masked, its change must not count
+    old = [torch.tensor([[[1, 2], [0, 3], [4, 6], [0, 1]]])]
+    new = [torch.tensor([[[2, 1], [0, 5], [5, 7], [6, 7]]])]
+    mask = torch.tensor([[1, 1, 1, 0]])
+    out = expert_volatility(old, new, mask)
+    assert out["volatility"] == pytest.approx(1 - (1 + 0.5 + 0) / 3)  # 0.5
+    assert out["changed_frac"] == pytest.approx(2 / 3)
+    # a second identical layer halves nothing: the mean over (token, layer) is the same
+    assert expert_volatility(old * 2, new * 2, mask) == pytest.approx(out)
+
+
+def test_load_stats_on_a_hand_built_case():
+    # 4 experts, k=1, 4 tokens: experts 0,0,1,2 -> loads 1/2,1/4,1/4,0 -> x E = 2,1,1,0
+    idx = [torch.tensor([[[0], [0], [1], [2]]])]
+    out = load_stats(idx, torch.ones(1, 4), num_experts=4)
+    assert out["load_max"] == pytest.approx(2.0) and out["load_min"] == 0.0
+    frac = torch.tensor([0.5, 0.25, 0.25, 0.0])
+    assert out["load_cv"] == pytest.approx(float(frac.std() / frac.mean()))
+
+
+def test_router_hooks_leave_dense_models_untouched(model, batch):
+    ids, mask = batch
+    before = token_logprobs(model, ids, mask, 5)
+    rec = RoutingRecorder(model)
+    assert rec.routers == [] and rec._handles == []
+    rec.allocate("old", len(ids), ids.shape[1] - 1)
+    with rec.record(torch.arange(len(ids))):
+        during = token_logprobs(model, ids, mask, 5)
+    assert torch.equal(before, during)
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_routing_replay_in_train_logs_moe_metrics(tmp_path, tiny_overrides):
+    from gspo.config import load_config
+    from gspo.logger import read_metrics
+    from gspo.trainer import train
+
+    cfg = load_config(overrides=tiny_overrides + [
+        "model.name_or_path=tiny-qwen3-moe", "model.moe_intermediate_size=32",
+        "algorithm=grpo", "algorithm.routing_replay=true", "train.steps=1"])
+    train(cfg, tmp_path / "run")
+    row = read_metrics(tmp_path / "run")[-1]
+    for key in ("moe/volatility", "moe/changed_frac", "moe/load_max", "moe/load_cv"):
+        assert 0 <= row[key] < float("inf")
+
+
+def test_routing_replay_on_a_dense_model_is_a_clear_error(tmp_path, tiny_overrides):
+    from gspo.config import load_config
+    from gspo.trainer import TrainingError, train
+
+    cfg = load_config(overrides=tiny_overrides + ["algorithm.routing_replay=true"])
+    with pytest.raises(TrainingError, match="Mixture-of-Experts"):
+        train(cfg, tmp_path / "run")
