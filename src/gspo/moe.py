@@ -80,12 +80,39 @@ class RoutingRecorder:
         """Recorded top-k indices, one (B, L, k) tensor per router."""
         return self.stores[store]
 
+    @contextlib.contextmanager
+    def record_stream(self, n_rows: int) -> Iterator[None]:
+        """Record routing of a decode loop: a prefill over (n_rows, Lp) then one call per
+        generated position; `finish_stream` stitches the calls into (n_rows, L, k)."""
+        self._chunks: list[list[Tensor]] = [[] for _ in self.routers]
+        with self._active("stream", torch.arange(n_rows), ""):
+            yield
+
+    def finish_stream(self, store: str, seq_len: int) -> None:
+        """Keep the first seq_len recorded positions of each row as `store`."""
+        out = []
+        for layer, chunks in enumerate(self._chunks):
+            idx = torch.cat(chunks, dim=1)  # (B, L_recorded, k)
+            if idx.shape[1] < seq_len:
+                raise RuntimeError(f"the engine's forwards covered {idx.shape[1]} positions of "
+                                   f"layer {layer}, fewer than the {seq_len} to replay")
+            out.append(idx[:, :seq_len].contiguous())
+        self.stores[store] = out
+        self._chunks = []
+
     def _hook(self, layer: int):
         def hook(module: nn.Module, args, output):
             if self._mode is None:
                 return None
             logits, weights, idx = output
             b = len(self._rows)
+            if self._mode == "stream":
+                if idx.shape[0] % b:
+                    raise RuntimeError(f"router saw {idx.shape[0]} tokens, not a multiple of the "
+                                       f"{b} rollout rows: this engine does not decode all rows "
+                                       f"together, so its routing cannot be recorded")
+                self._chunks[layer].append(idx.detach().view(b, -1, idx.shape[-1]))
+                return None
             if self._mode == "record":
                 self._write(layer, idx.detach().view(b, -1, idx.shape[-1]))
                 return None

@@ -21,6 +21,7 @@ count response tokens, as the paper does: for GSPO every token of a clipped sequ
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -294,3 +295,48 @@ OBJECTIVES: dict[str, Objective] = {
     "gspo_token": gspo_token_loss,
     "grpo": grpo_loss,
 }
+
+
+# --------------------------------------------------------------------------------------------
+# training engine vs inference engine
+
+
+def truncated_is_weights(logp: Tensor, rollout_logp: Tensor, mask: Tensor, level: str,
+                         cap: float) -> Tensor:
+    """Truncated importance-sampling weights correcting for sampling by another engine.
+
+    The responses were sampled by the inference engine (rollout_logp) while pi_old is the
+    training engine's recompute (logp). The correction multiplies each term by
+        "token":    w_i,t = min( pi_old(y_i,t) / pi_rollout(y_i,t), cap )           -> (B, T)
+        "sequence": w_i   = min( prod_t pi_old(y_i,t) / pi_rollout(y_i,t), cap )     -> (B,)
+    A constant (no gradient). Padded positions get weight 1.
+    """
+    mask = _check_inputs(logp, rollout_logp, mask, None, 0.0, 0.0)
+    if cap <= 0:
+        raise ValueError(f"the truncation cap must be > 0, got {cap}")
+    delta = _masked(logp.detach() - rollout_logp.detach(), mask)  # (B, T)
+    if level == "token":
+        return torch.exp(delta).clamp(max=cap)
+    if level == "sequence":
+        # clamp the log first so a long sequence cannot overflow exp before the cap applies
+        return torch.exp(delta.sum(-1).clamp(max=math.log(cap)))
+    raise ValueError(f"unknown TIS level {level!r}; use 'token' or 'sequence'")
+
+
+def engine_mismatch(logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> Metrics:
+    """How far the inference engine's log-probs are from the training engine's.
+
+        token_abs_mean     mean over real tokens of |logp - rollout_logp|
+        token_abs_max      max of the same
+        seq_log_ratio_mean mean over sequences of (1/|y_i|) sum_t (logp - rollout_logp), the
+                           length-normalised log-ratio GSPO's s_i would see at theta = theta_old
+        seq_log_ratio_abs_max  max over sequences of its absolute value
+    """
+    mask = _check_inputs(logp, rollout_logp, mask, None, 0.0, 0.0)
+    with torch.no_grad():
+        delta = _masked(logp - rollout_logp, mask)
+        seq = delta.sum(-1) / mask.sum(-1)
+        return {"token_abs_mean": delta.abs().sum() / mask.sum(),
+                "token_abs_max": delta.abs().max(),
+                "seq_log_ratio_mean": seq.mean(),
+                "seq_log_ratio_abs_max": seq.abs().max()}

@@ -38,8 +38,9 @@ from gspo.logger import MetricsLogger
 from gspo.models import (build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer, load_model,
                          token_logprobs)
 from gspo.moe import RoutingRecorder, expert_volatility, is_moe, load_stats
-from gspo.objectives import OBJECTIVES, group_advantages, kl_k3
-from gspo.rollout import HFEngine, Rollouts, SamplingParams, left_pad
+from gspo.objectives import (OBJECTIVES, engine_mismatch, group_advantages, kl_k3,
+                             truncated_is_weights)
+from gspo.rollout import HFEngine, RolloutEngine, Rollouts, SamplingParams, left_pad
 from gspo.tasks import build_task
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,8 @@ def policy_logprobs(model, r: Rollouts, temperature: float, micro: int, chunk: i
     for rows in torch.arange(r.response_ids.shape[0]).split(micro):
         with route(rows) if route else contextlib.nullcontext():
             outs.append(token_logprobs(model, r.input_ids[rows], r.attention_mask[rows],
-                                       r.response_ids.shape[1], temperature, chunk, with_entropy))
+                                       r.response_ids.shape[1], temperature, chunk, with_entropy,
+                                       share_prompts=route is None))
     if not with_entropy:
         return torch.cat(outs)
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])  # (B, T) each
@@ -203,7 +205,8 @@ def update(model, optimizer, scheduler, r: Rollouts, old_logp, ref_logp, adv, cf
         for idx in mb.split(micro):
             with replay.replay(idx) if replay else contextlib.nullcontext():
                 logp = token_logprobs(model, r.input_ids[idx], r.attention_mask[idx], T,
-                                      cfg.rollout.temperature, cfg.model.logprob_chunk_size)
+                                      cfg.rollout.temperature, cfg.model.logprob_chunk_size,
+                                      share_prompts=replay is None)
             loss, metrics = objective(logp, old_logp[idx], adv[idx], mask[idx], denom=denom,
                                       **kwargs)
             if a.beta > 0:
@@ -250,13 +253,51 @@ def _peak_rss_mb() -> float:
 # the loop
 
 
-def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Summary:
-    """Run warm-up (unless resuming) and `train.steps` RL steps; write everything to run_dir."""
-    run_dir = Path(run_dir)
+@dataclass
+class Run:
+    """Everything one training run holds, built once by :func:`prepare`."""
+    cfg: Config
+    run_dir: Path
+    model: torch.nn.Module
+    tokenizer: object
+    engine: RolloutEngine
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    train_rows: list[dict]
+    eval_rows: list[dict]
+    reward_fn: object
+    ref_model: torch.nn.Module | None
+    routing: RoutingRecorder | None          # on the training model (MoE only)
+    rollout_routing: RoutingRecorder | None  # on the engine's model, to replay its routing
+    gen: torch.Generator                     # minibatch shuffling
+    start_step: int
+    state: dict
+    warmup_s: float
+    micro: int
+
+
+def make_engine(model, tokenizer, cfg: Config) -> RolloutEngine:
+    """The rollout engine; it shares the training model unless it samples in another dtype."""
+    r = cfg.rollout
+    if r.engine == "vllm":
+        from gspo.vllm_engine import VLLMEngine
+        return VLLMEngine(model, tokenizer, dtype=r.dtype,
+                          gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+                          seed=cfg.train.seed)
+    sampler = model if r.dtype == cfg.model.dtype else copy.deepcopy(model).to(getattr(torch, r.dtype))
+    return HFEngine(sampler, eos_token_ids=[tokenizer.eos_token_id],
+                    pad_token_id=tokenizer.pad_token_id)
+
+
+def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
+    """Build model, task, engine and optimiser; restore a checkpoint or run the warm-up."""
     t = cfg.train
     if not resume and latest_checkpoint(run_dir) is not None:
         raise TrainingError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
                             f"continue it or choose a new --output-dir")
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if resume and ckpt is None:
+        raise TrainingError(f"--resume {run_dir}: no finished checkpoint found there")
     run_dir.mkdir(parents=True, exist_ok=True)
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar per save
     save_config(cfg, run_dir / "config.yaml")
@@ -264,114 +305,168 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Summary:
 
     model, tokenizer = build_model(cfg)
     train_rows, eval_rows, reward_fn, solution = build_task(cfg.data)
-    engine = HFEngine(model, eos_token_ids=[tokenizer.eos_token_id],
-                      pad_token_id=tokenizer.pad_token_id)
     optimizer, scheduler = build_optimizer(model, cfg.optim.lr, cfg)
-    r_cfg = cfg.rollout
-    sampling = SamplingParams(r_cfg.temperature, r_cfg.top_p, r_cfg.max_new_tokens)
-    eval_sampling = SamplingParams(t.eval_temperature, r_cfg.top_p, r_cfg.max_new_tokens)
-    B = r_cfg.prompts_per_step * r_cfg.group_size
-    micro = cfg.algorithm.micro_batch_size or B // cfg.algorithm.minibatches
-
-    start_step, state, warmup_s = 0, {}, 0.0
-    ckpt = latest_checkpoint(run_dir) if resume else None
-    if resume and ckpt is None:
-        raise TrainingError(f"--resume {run_dir}: no finished checkpoint found there")
+    state, warmup_s = {}, 0.0
     if ckpt is not None:
         state = load_checkpoint(ckpt, model, optimizer, scheduler)
-        start_step = int(state["step"])
-        log.info("resumed from %s at step %d", ckpt, start_step)
+        log.info("resumed from %s at step %d", ckpt, state["step"])
     elif cfg.warmup.steps > 0:
         t0 = time.perf_counter()
         loss = warmup(model, tokenizer, train_rows, solution, cfg)
         warmup_s = time.perf_counter() - t0
         log.info("warm-up: %d steps, final loss %.4f, %.1fs", cfg.warmup.steps, loss, warmup_s)
-    ref_model = copy.deepcopy(model).eval() if cfg.algorithm.beta > 0 else None
+    engine = make_engine(model, tokenizer, cfg)
     routing = RoutingRecorder(model) if is_moe(model) else None
-    if cfg.algorithm.routing_replay and routing is None:
+    a = cfg.algorithm
+    if a.routing_replay and routing is None:
         raise TrainingError(f"algorithm.routing_replay=true needs a Mixture-of-Experts model "
                             f"with top-k routers (e.g. model.name_or_path=tiny-qwen3-moe); "
                             f"{cfg.model.name_or_path} has none")
-
-    def run_eval() -> dict[str, float]:
-        res = evaluate(engine, tokenizer, eval_rows, reward_fn, t.eval_k, eval_sampling,
-                       seed=t.seed + 999_983)
-        return {"eval/accuracy": res.avg_at_k,
-                **{f"eval/pass@{k}": v for k, v in res.pass_at.items()}}
-
-    logger = MetricsLogger(run_dir, tensorboard=t.tensorboard,
-                           resume_from_step=start_step if ckpt is not None else None)
-    start_acc = state.get("start_accuracy")
-    if ckpt is None and t.eval_every > 0:
-        first = run_eval()
-        start_acc = first["eval/accuracy"]
-        logger.log(0, first)
-    final_acc = state.get("final_accuracy", start_acc)
+    rollout_routing = None
+    if a.routing_replay and a.old_logprobs == "rollout":
+        if not isinstance(engine, HFEngine):
+            raise TrainingError("routing replay with old_logprobs=rollout needs the engine to "
+                                "record routing; only rollout.engine=hf does")
+        rollout_routing = RoutingRecorder(engine.model)
     gen = torch.Generator().manual_seed(t.seed)
     if "update_rng" in state:
         gen.set_state(state["update_rng"])
-    rl_t0 = time.perf_counter()
+    B = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    return Run(cfg, run_dir, model, tokenizer, engine, optimizer, scheduler, train_rows,
+               eval_rows, reward_fn, copy.deepcopy(model).eval() if a.beta > 0 else None,
+               routing, rollout_routing, gen, int(state.get("step", 0)), state, warmup_s,
+               a.micro_batch_size or B // a.minibatches)
 
-    bar = _progress(range(start_step, t.steps), "GSPO" if cfg.algorithm.name == "gspo"
-                    else cfg.algorithm.name.upper(), t.progress)
+
+def run_eval(run: Run) -> dict[str, float]:
+    """Held-out avg@k and pass@k with the rollout engine (fixed seed: common random numbers)."""
+    t, r = run.cfg.train, run.cfg.rollout
+    res = evaluate(run.engine, run.tokenizer, run.eval_rows, run.reward_fn, t.eval_k,
+                   SamplingParams(t.eval_temperature, r.top_p, r.max_new_tokens),
+                   seed=t.seed + 999_983)
+    return {"eval/accuracy": res.avg_at_k, **{f"eval/pass@{k}": v for k, v in res.pass_at.items()}}
+
+
+def generate(run: Run, rows: list[dict], step: int) -> Rollouts:
+    """Sample G responses per prompt; records the engine's MoE routing when it will be replayed."""
+    r = run.cfg.rollout
+    prompts = encode_prompts(run.tokenizer, rows)
+    params = SamplingParams(r.temperature, r.top_p, r.max_new_tokens)
+    seed = run.cfg.train.seed * 7_919 + step
+    if run.rollout_routing is None:
+        return run.engine.generate(prompts, n=r.group_size, params=params, seed=seed)
+    with run.rollout_routing.record_stream(len(prompts) * r.group_size):
+        rollouts = run.engine.generate(prompts, n=r.group_size, params=params, seed=seed)
+    run.rollout_routing.finish_stream("old", rollouts.input_ids.shape[1] - 1)
+    return rollouts
+
+
+def old_policy(run: Run, r: Rollouts, step: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """pi_old's per-token log-probs, the per-token entropy, and engine-mismatch metrics.
+
+    recompute: a no-grad forward of the training model (recording MoE routing for replay);
+    rollout:   the sampler's own log-probs, with no forward pass, except every
+               `mismatch_every` steps a recompute only to measure the mismatch. The entropy
+               is then estimated as -logp of the sampled tokens (unbiased for the sampler's).
+    """
+    a, chunk, temp = run.cfg.algorithm, run.cfg.model.logprob_chunk_size, run.cfg.rollout.temperature
+    use_rollout = a.old_logprobs == "rollout"
+    monitor = use_rollout and a.mismatch_every > 0 and step % a.mismatch_every == 0
+    metrics = {}
+    if use_rollout and run.rollout_routing is not None:
+        run.routing.stores["old"] = run.rollout_routing.stores["old"]
+    if not use_rollout or monitor:
+        record = run.routing is not None and not use_rollout
+        if record:
+            run.routing.allocate("old", r.input_ids.shape[0], r.input_ids.shape[1] - 1)
+        train_logp, entropy = policy_logprobs(run.model, r, temp, run.micro, chunk, True,
+                                              route=run.routing.record if record else None)
+        metrics = {f"mismatch/{k}": float(v)
+                   for k, v in engine_mismatch(train_logp, r.logp, r.response_mask).items()}
+    if use_rollout:
+        return r.logp, -r.logp, metrics
+    return train_logp, entropy, metrics
+
+
+def rl_step(run: Run, step: int) -> dict[str, float]:
+    """One RL step: rollout -> rewards -> advantages -> pi_old -> minibatch updates."""
+    cfg, t0 = run.cfg, time.perf_counter()
+    G = cfg.rollout.group_size
+    # ---- rollout
+    rows = step_prompts(run.train_rows, step, cfg.rollout.prompts_per_step, cfg.train.seed)
+    rollouts = generate(run, rows, step)
+    texts = decode_responses(run.tokenizer, rollouts)
+    t_rollout = time.perf_counter() - t0
+    # ---- rewards and group advantages
+    rewards, reward_failures = score(run.reward_fn, texts, [row for row in rows for _ in range(G)])
+    rewards = torch.tensor(rewards)  # (B,)
+    adv = group_advantages(rewards, G, cfg.algorithm.advantage_scale)
+    # ---- pi_old (and pi_ref)
+    t1 = time.perf_counter()
+    old_logp, entropy, mismatch = old_policy(run, rollouts, step)
+    if cfg.algorithm.tis != "none":
+        w = truncated_is_weights(old_logp, rollouts.logp, rollouts.response_mask,
+                                 cfg.algorithm.tis, cfg.algorithm.tis_cap)
+        adv = adv[:, None] * w if w.dim() == 2 else adv * w  # w > 0 commutes with the min
+    ref_logp = (policy_logprobs(run.ref_model, rollouts, cfg.rollout.temperature, run.micro,
+                                cfg.model.logprob_chunk_size) if run.ref_model else None)
+    t_old = time.perf_counter() - t1
+    # ---- minibatch updates
+    t2 = time.perf_counter()
+    m = update(run.model, run.optimizer, run.scheduler, rollouts, old_logp, ref_logp, adv, cfg,
+               run.gen, replay=run.routing if cfg.algorithm.routing_replay else None)
+    run.engine.load_weights(run.model.state_dict())
+    t_update = time.perf_counter() - t2
+    if run.routing:
+        m.update(moe_metrics(run.model, run.routing, rollouts, cfg, run.micro))
+    # ---- metrics
+    mask = rollouts.response_mask
+    n_tokens = float(mask.sum())
+    return {
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        "reward/failures": reward_failures,
+        "loss": m["loss"], "clip/frac": m["clip_frac"], "clip/frac_low": m["clip_frac_low"],
+        "clip/frac_high": m["clip_frac_high"], "ratio/mean": m["ratio_mean"],
+        "ratio/min": m["ratio_min"], "ratio/max": m["ratio_max"], "kl/old": m["kl_old"],
+        "entropy": float((entropy * mask).sum() / n_tokens), "grad_norm": m["grad_norm"],
+        "lr": run.scheduler.get_last_lr()[0],
+        "response/len_mean": n_tokens / mask.shape[0],
+        "time/rollout_s": t_rollout, "time/old_logp_s": t_old, "time/update_s": t_update,
+        "throughput/tokens_per_s": n_tokens / (time.perf_counter() - t0),
+        **mismatch, **{k: v for k, v in m.items() if k.startswith("moe/")},
+    }
+
+
+def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Summary:
+    """Run warm-up (unless resuming) and `train.steps` RL steps; write everything to run_dir."""
+    run = prepare(cfg, Path(run_dir), resume)
+    t = cfg.train
+    logger = MetricsLogger(run.run_dir, tensorboard=t.tensorboard,
+                           resume_from_step=run.start_step if resume else None)
+    start_acc = run.state.get("start_accuracy")
+    if not resume and t.eval_every > 0:
+        first = run_eval(run)
+        start_acc = first["eval/accuracy"]
+        logger.log(0, first)
+    final_acc = run.state.get("final_accuracy", start_acc)
+    rl_t0 = time.perf_counter()
+    bar = _progress(range(run.start_step, t.steps), cfg.algorithm.name.upper(), t.progress)
     for step in bar:
-        t0 = time.perf_counter()
-        # ---- rollout
-        rows = step_prompts(train_rows, step, r_cfg.prompts_per_step, t.seed)
-        rollouts = engine.generate(encode_prompts(tokenizer, rows), n=r_cfg.group_size,
-                                   params=sampling, seed=t.seed * 7_919 + step)
-        texts = decode_responses(tokenizer, rollouts)
-        t_rollout = time.perf_counter() - t0
-        # ---- rewards and group advantages
-        rewards, reward_failures = score(reward_fn, texts,
-                                         [row for row in rows for _ in range(r_cfg.group_size)])
-        rewards = torch.tensor(rewards)  # (B,)
-        adv = group_advantages(rewards, r_cfg.group_size, cfg.algorithm.advantage_scale)
-        # ---- pi_old (and pi_ref): recomputed by the training model
-        if routing:
-            routing.allocate("old", B, rollouts.input_ids.shape[1] - 1)
-        old_logp, entropy = policy_logprobs(model, rollouts, r_cfg.temperature, micro,
-                                            cfg.model.logprob_chunk_size, with_entropy=True,
-                                            route=routing.record if routing else None)
-        ref_logp = (policy_logprobs(ref_model, rollouts, r_cfg.temperature, micro,
-                                    cfg.model.logprob_chunk_size) if ref_model else None)
-        # ---- minibatch updates
-        t1 = time.perf_counter()
-        m = update(model, optimizer, scheduler, rollouts, old_logp, ref_logp, adv, cfg, gen,
-                   replay=routing if cfg.algorithm.routing_replay else None)
-        engine.load_weights(model.state_dict())
-        t_update = time.perf_counter() - t1
-        if routing:
-            m.update(moe_metrics(model, routing, rollouts, cfg, micro))
-        # ---- metrics, evaluation, checkpoint
-        mask = rollouts.response_mask
-        n_tokens = float(mask.sum())
-        row = {
-            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-            "reward/failures": reward_failures,
-            "loss": m["loss"], "clip/frac": m["clip_frac"], "clip/frac_low": m["clip_frac_low"],
-            "clip/frac_high": m["clip_frac_high"], "ratio/mean": m["ratio_mean"],
-            "ratio/min": m["ratio_min"], "ratio/max": m["ratio_max"], "kl/old": m["kl_old"],
-            "entropy": float((entropy * mask).sum() / n_tokens), "grad_norm": m["grad_norm"],
-            "lr": scheduler.get_last_lr()[0],
-            "response/len_mean": n_tokens / mask.shape[0],
-            "time/rollout_s": t_rollout, "time/update_s": t_update,
-            "throughput/tokens_per_s": n_tokens / (time.perf_counter() - t0),
-            **{k: v for k, v in m.items() if k.startswith("moe/")},
-        }
+        row = rl_step(run, step)
         done = step + 1
         if t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps):
-            row.update(run_eval())
+            row.update(run_eval(run))
             final_acc = row["eval/accuracy"]
         logger.log(done, row)
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(reward=f"{row['reward/mean']:.2f}",
-                            acc=f"{final_acc:.2f}" if final_acc is not None else "-")
+                            acc="-" if final_acc is None else f"{final_acc:.2f}")
         if (t.save_every > 0 and done % t.save_every == 0) or done == t.steps:
-            save_checkpoint(run_dir, done, model, tokenizer, optimizer, scheduler,
-                            {"step": done, "start_accuracy": start_acc,
-                             "final_accuracy": final_acc, "update_rng": gen.get_state()},
+            save_checkpoint(run.run_dir, done, run.model, run.tokenizer, run.optimizer,
+                            run.scheduler, {"step": done, "start_accuracy": start_acc,
+                                            "final_accuracy": final_acc,
+                                            "update_rng": run.gen.get_state()},
                             keep_last=t.keep_last)
     logger.close()
-    return Summary(run_dir, start_acc, final_acc, warmup_s, time.perf_counter() - rl_t0,
-                   _peak_rss_mb(), t.steps)
+    return Summary(run.run_dir, start_acc, final_acc, run.warmup_s,
+                   time.perf_counter() - rl_t0, _peak_rss_mb(), t.steps)

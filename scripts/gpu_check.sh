@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One prepared check for a GPU machine with vLLM already installed (`pip install -e '.[vllm]'`):
+# a few GSPO steps with each rollout engine (hf, vllm) on a small Qwen3 built locally, printing
+# the train/inference mismatch and the step times. Finishes in well under 8 minutes.
+#   bash scripts/gpu_check.sh            (uses `python`; set PYTHON=... to choose another)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+"$PY" -c "import torch, vllm; assert torch.cuda.is_available(), 'no CUDA device'; \
+print('torch', torch.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())"
+timeout 450 "$PY" - <<'PYEOF'
+import tempfile, time
+from pathlib import Path
+from gspo.config import load_config
+from gspo.trainer import prepare, rl_step
+
+BASE = ["model.hidden_size=256", "model.num_heads=4", "model.num_kv_heads=2", "model.num_layers=4",
+        "model.intermediate_size=1024", "warmup.steps=100", "train.eval_every=0",
+        "train.progress=false", "train.tensorboard=false", "rollout.max_new_tokens=16",
+        "algorithm.mismatch_every=1"]
+RUNS = {
+    "hf fp32, recompute": ["rollout.engine=hf"],
+    "vllm fp32, rollout logp": ["rollout.engine=vllm", "rollout.dtype=float32",
+                                "algorithm.old_logprobs=rollout"],
+    "vllm bf16, rollout logp": ["rollout.engine=vllm", "rollout.dtype=bfloat16",
+                                "algorithm.old_logprobs=rollout"],
+}
+for name, extra in RUNS.items():
+    cfg = load_config(overrides=BASE + extra)
+    with tempfile.TemporaryDirectory() as d:
+        run = prepare(cfg, Path(d), resume=False)
+        for step in range(4):
+            t0 = time.perf_counter()
+            row = rl_step(run, step)
+            print(f"{name:<26} step {step}: {time.perf_counter() - t0:6.2f}s  "
+                  f"rollout {row['time/rollout_s']:.2f}s  reward {row['reward/mean']:.3f}  "
+                  f"|dlogp| {row.get('mismatch/token_abs_mean', float('nan')):.2e}  "
+                  f"max seq log-ratio {row.get('mismatch/seq_log_ratio_abs_max', float('nan')):.2e}",
+                  flush=True)
+PYEOF
