@@ -47,17 +47,61 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = _f("arithmetic", "prompt source: 'arithmetic' (the synthetic default)")
+    task: str = _f("arithmetic", "prompt source: 'arithmetic' (the synthetic default), 'math' "
+                   "(answers checked with math-verify) or 'code' (programs run against tests "
+                   "in a sandbox), the last two read from data.path")
     digits: int = _f(2, "arithmetic: maximum number of digits of each operand")
     operations: str = _f("+", "arithmetic: operators to draw from, e.g. '+' or '+-'")
-    n_train: int = _f(8000, "number of training prompts generated")
-    n_eval: int = _f(200, "number of held-out prompts generated (disjoint from training)")
-    seed: int = _f(1234, "seed of the task generator")
+    n_train: int = _f(8000, "arithmetic: number of training prompts generated")
+    n_eval: int = _f(200, "held-out prompts: arithmetic generates them (disjoint from training); "
+                     "math/code without data.eval_path hold out this many rows of data.path")
+    seed: int = _f(1234, "seed of the task generator and of the math/code held-out split")
+    path: str = _f("", "math/code: training prompts, a .jsonl, .json, .parquet or .csv file or "
+                   "a `datasets` directory saved with save_to_disk")
+    eval_path: str = _f("", "math/code: held-out prompts in the same formats (default: "
+                        "data.n_eval rows held out of data.path)")
+    split: str = _f("train", "split read from a saved DatasetDict directory")
+    max_rows: int = _f(0, "math/code: read at most this many rows of each file (0 = all)")
+    prompt_field: str = _f("prompt", "field holding the prompt (the user turn of the chat "
+                           "template), e.g. 'question' for GSM8K, 'problem' for MATH")
+    answer_field: str = _f("answer", "math: field holding the reference answer (bare, "
+                           "\\boxed{}, or a GSM8K solution ending '#### 42')")
+    tests_field: str = _f("tests", "code: field holding the tests: [{input, output}] "
+                          "(stdin/stdout), call-based {fn_name, args, expected}, LiveCodeBench "
+                          "or APPS {inputs, outputs, fn_name} format, or JSON text of these")
+    fn_name_field: str = _f("fn_name", "code: field naming the function call-based tests call "
+                            "(when the tests do not name it)")
+    solution_field: str = _f("", "field holding a worked solution for the supervised warm-up; "
+                             "without one set warmup.steps=0")
+    system_prompt: str = _f("", "system turn of the chat template ('' = none)")
+    prompt_template: str = _f("{prompt}", "user turn, with {prompt} replaced by the prompt field, "
+                              "e.g. '{prompt} Put the final answer in \\boxed{}.'")
+    on_bad_row: str = _f("fail", "a malformed row: 'fail' (stop, naming file, row and field) or "
+                         "'skip' (leave it out, counted and logged)")
+    reward: str = _f("", "reward function: '' = the task's own, a built-in name (arithmetic, "
+                     "math, code) or 'module:function' / 'file.py:function' of your own, "
+                     "called f(completion, **row_fields) -> float")
+    reward_mode: str = _f("all", "code: 'all' (1 when every test passes) or 'fraction' (the "
+                          "fraction of tests passing)")
+    format_weight: float = _f(0.0, "math/code: bonus for a well-formed answer (a \\boxed{} "
+                              "answer / a fenced code block), in [0, 1)")
+    reward_timeout: float = _f(5.0, "math: seconds math-verify may spend on one completion "
+                               "before it scores 0")
+    code_timeout: float = _f(5.0, "code: wall-clock and CPU seconds of one test run")
+    code_memory_mb: int = _f(1024, "code: address-space limit of each process of a test run")
+    code_workers: int = _f(0, "code: test runs in parallel (0 = the number of CPUs)")
+    code_python: str = _f("", "code: interpreter the sandboxed programs run under ('' = the "
+                          "system python3, which an unprivileged uid can execute)")
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = _f("hf", "rollout engine: 'hf' (batched decode with KV cache)")
+    engine: str = _f("hf", "rollout engine: 'hf' (batched decode with KV cache) or 'vllm' "
+                     "(GPU, `pip install gspo[vllm]`)")
+    dtype: str = _f("float32", "precision the rollout engine samples in (float32 | bfloat16); "
+                    "training keeps model.dtype")
+    vllm_gpu_memory_utilization: float = _f(0.3, "vllm only: fraction of GPU memory for vLLM "
+                                            "(colocated with training)")
     group_size: int = _f(8, "G: responses sampled per prompt")
     prompts_per_step: int = _f(16, "prompts per RL step; the rollout batch is prompts_per_step*G")
     temperature: float = _f(1.0, "sampling temperature (also applied to the training log-probs)")
@@ -87,6 +131,13 @@ class AlgorithmConfig:
     micro_batch_size: int = _f(0, "sequences per forward/backward (0 = the whole minibatch); "
                                "gradients accumulate with global denominators")
     beta: float = _f(0.0, "KL penalty to the initial policy (k3); 0 = off, as in the paper")
+    old_logprobs: str = _f("recompute", "pi_old from 'recompute' (a training-engine forward "
+                           "pass) or 'rollout' (the sampler's own log-probs; no recompute pass)")
+    mismatch_every: int = _f(10, "with old_logprobs=rollout, also recompute every N steps just "
+                             "to log mismatch/* (0 = never)")
+    tis: str = _f("none", "truncated importance sampling for engine mismatch: none | token | "
+                  "sequence (needs old_logprobs=recompute)")
+    tis_cap: float = _f(2.0, "TIS truncation cap C")
     routing_replay: bool = _f(False, "MoE: record the experts chosen under pi_old and force "
                               "them when computing pi_theta (GRPO needs it, GSPO should not)")
 
@@ -275,8 +326,23 @@ def resolve(cfg: Config) -> Config:
         raise ConfigError(f"rollout batch {batch} (prompts_per_step {r.prompts_per_step} x "
                           f"group_size {r.group_size}) is not divisible by algorithm.minibatches "
                           f"{a.minibatches}")
-    if r.engine != "hf":
-        raise ConfigError(f"rollout.engine '{r.engine}' is unknown; available: hf")
+    if r.engine not in ("hf", "vllm"):
+        raise ConfigError(f"rollout.engine '{r.engine}' is unknown; available: hf, vllm")
+    if r.dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"rollout.dtype '{r.dtype}' is unknown; use float32 or bfloat16")
+    if a.old_logprobs not in ("recompute", "rollout"):
+        raise ConfigError(f"algorithm.old_logprobs '{a.old_logprobs}' is unknown; use "
+                          f"recompute or rollout")
+    _positive("algorithm.mismatch_every", a.mismatch_every, allow_zero=True)
+    if a.tis not in ("none", "token", "sequence"):
+        raise ConfigError(f"algorithm.tis '{a.tis}' is unknown; use none, token or sequence")
+    if a.tis != "none" and a.old_logprobs == "rollout":
+        raise ConfigError("algorithm.tis corrects a recomputed pi_old for the engine's "
+                          "sampling; it needs algorithm.old_logprobs=recompute")
+    if a.tis == "token" and a.name == "gspo":
+        raise ConfigError("algorithm.tis=token gives per-token weights, but gspo has one "
+                          "advantage per sequence; use tis=sequence or algorithm=gspo_token")
+    _positive("algorithm.tis_cap", a.tis_cap)
     if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"model.dtype '{cfg.model.dtype}' is unknown; use float32, bfloat16 "
                           f"or float16")
@@ -297,17 +363,54 @@ def resolve(cfg: Config) -> Config:
 
 
 def _check_data(d: DataConfig) -> None:
-    if d.task != "arithmetic":
-        raise ConfigError(f"data.task '{d.task}' is unknown; available: arithmetic")
-    _positive("data.digits", d.digits)
-    _positive("data.n_train", d.n_train)
-    _positive("data.n_eval", d.n_eval)
-    if not d.operations or set(d.operations) - set("+-*"):
-        raise ConfigError(f"data.operations '{d.operations}' must be made of + - *")
-    distinct = 10 ** (2 * d.digits) * len(set(d.operations))
-    if d.n_train + d.n_eval > distinct:
-        raise ConfigError(f"data.n_train + data.n_eval = {d.n_train + d.n_eval} exceeds the "
-                          f"{distinct} distinct problems with data.digits={d.digits}; lower them")
+    tasks = ("arithmetic", "math", "code")
+    if d.task not in tasks:
+        raise ConfigError(f"data.task '{d.task}' is unknown; available: {', '.join(tasks)}")
+    if d.task == "arithmetic":
+        if d.path or d.eval_path:
+            raise ConfigError("data.path is set but data.task is 'arithmetic'; set "
+                              "data.task=math or data.task=code to train on a file")
+        _positive("data.digits", d.digits)
+        _positive("data.n_train", d.n_train)
+        _positive("data.n_eval", d.n_eval)
+        if not d.operations or set(d.operations) - set("+-*"):
+            raise ConfigError(f"data.operations '{d.operations}' must be made of + - *")
+        distinct = 10 ** (2 * d.digits) * len(set(d.operations))
+        if d.n_train + d.n_eval > distinct:
+            raise ConfigError(f"data.n_train + data.n_eval = {d.n_train + d.n_eval} exceeds the "
+                              f"{distinct} distinct problems with data.digits={d.digits}; "
+                              f"lower them")
+    else:
+        if not d.path:
+            raise ConfigError(f"data.task={d.task} reads its prompts from a file: set "
+                              f"data.path=FILE (.jsonl, .parquet, .csv or a datasets directory)")
+        for key in ("path", "eval_path"):
+            value = getattr(d, key)
+            if value and not Path(value).expanduser().exists():
+                raise ConfigError(f"data.{key} '{value}' not found")
+        if not d.eval_path:
+            _positive("data.n_eval", d.n_eval)
+        needed = {"math": "answer_field", "code": "tests_field"}[d.task]
+        for key in ("prompt_field", needed):
+            if not getattr(d, key):
+                raise ConfigError(f"data.{key} must name a field of the data file")
+    if "{prompt}" not in d.prompt_template:
+        raise ConfigError(f"data.prompt_template '{d.prompt_template}' must contain {{prompt}}")
+    for key, allowed in (("on_bad_row", ("fail", "skip")), ("reward_mode", ("all", "fraction"))):
+        if getattr(d, key) not in allowed:
+            raise ConfigError(f"data.{key} '{getattr(d, key)}' is unknown; choose "
+                              f"{' or '.join(allowed)}")
+    if not 0 <= d.format_weight < 1:
+        raise ConfigError(f"data.format_weight must be in [0, 1) so that a well-formed wrong "
+                          f"answer never counts as solved, got {d.format_weight}")
+    if d.reward and d.reward not in tasks and ":" not in d.reward:
+        raise ConfigError(f"data.reward '{d.reward}' must be 'module:function', "
+                          f"'file.py:function' or a built-in: {', '.join(tasks)}")
+    _positive("data.reward_timeout", d.reward_timeout)
+    _positive("data.code_timeout", d.code_timeout)
+    _positive("data.code_memory_mb", d.code_memory_mb)
+    _positive("data.code_workers", d.code_workers, allow_zero=True)
+    _positive("data.max_rows", d.max_rows, allow_zero=True)
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -3,13 +3,14 @@
 What is here:
 
 - `SamplingParams`, `Rollouts` (the batch every engine returns) and the `RolloutEngine` Protocol.
-- `HFEngine`: a lean batched decode loop over a transformers causal LM with a KV cache
-  (`DynamicCache`), left-padded prompts, temperature, top-p, per-row stop at eos and a seeded
-  `torch.Generator`, so the same seed gives the same rollouts.
+- `HFEngine`: a lean batched decode loop over a transformers causal LM: left-padded prompts,
+  temperature, top-p, per-row stop at eos, and one uniform per (row, step) drawn up front from a
+  seeded `torch.Generator`, so the same seed gives the same rollouts. Its fast path
+  (`FastDecoder`) runs each distinct prompt's prefill once, decodes on a preallocated KV cache
+  with a lean per-step forward, and drops finished rows from the batch.
 
 An engine sees token ids only: no text, no rewards, no optimiser. What is left out: top-k,
-repetition penalties, stop strings, and continuous batching (rows that finish keep their slot,
-fed pad tokens, until the whole batch is done).
+repetition penalties, stop strings, and continuous batching (no new rows join a running batch).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from gspo.models import position_ids_from_mask
@@ -117,19 +119,26 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row from logits (B, V); return tokens (B,) and their log-probs (B,)."""
-    logits = logits.float()
+    """Sample one token per row from logits (B, V) by inverse CDF at uniforms u (B,) in [0, 1).
+
+    Returns tokens (B,) and their log-probs (B,). A row's token depends on its own logits and
+    u alone, never on the other rows, so dropping finished rows from the batch changes nothing.
+    """
+    z = logits.float()
     if params.temperature == 0:
-        token = logits.argmax(-1)  # (B,)
-        logp_all = logits.log_softmax(-1)
+        token = z.argmax(-1)  # (B,)
     else:
-        logits = logits / params.temperature
-        logp_all = logits.log_softmax(-1)  # (B, V), before top-p: see Rollouts
-        probs = top_p_filter(logits, params.top_p).softmax(-1)
-        token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
-    return token, logp_all.gather(-1, token[:, None]).squeeze(-1)
+        z = z / params.temperature
+    lse = torch.logsumexp(z, dim=-1)  # (B,), before top-p: see Rollouts
+    if params.temperature != 0:
+        kept = top_p_filter(z, params.top_p)
+        cdf = (kept - kept.max(-1, keepdim=True).values).exp_().cumsum_(-1)  # (B, V)
+        # the first token whose cumulative mass exceeds u * total; zero-mass tokens never are
+        token = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+        token = token.clamp_(max=z.shape[-1] - 1)
+    return token, z.gather(-1, token[:, None]).squeeze(-1) - lse
 
 
 def _eos_ids(model) -> list[int]:
@@ -141,14 +150,33 @@ def _eos_ids(model) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
-class HFEngine:
-    """Rollouts from a transformers causal LM, by default the very module the trainer updates."""
+def has_hooks(model: torch.nn.Module) -> bool:
+    """Whether forward hooks watch the model (e.g. MoE routing recorders), which expect every
+    forward to see the whole batch: then no row is shared or dropped."""
+    from torch.nn.modules import module as M
 
-    def __init__(self, model, eos_token_ids: list[int] | None = None, pad_token_id: int | None = None):
+    if M._global_forward_hooks or M._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+class HFEngine:
+    """Rollouts from a transformers causal LM, by default the very module the trainer updates.
+
+    `fast` (default): where the architecture is one `FastDecoder` knows (Qwen3, Qwen3-MoE,
+    Qwen2, Llama, Mistral with full attention and static RoPE), run each distinct prompt's
+    prefill once, decode with a preallocated KV cache and a lean per-step forward, and drop
+    finished rows from the batch. Same tokens and log-probs as the plain loop (`fast=False`: one
+    transformers forward per step over every row, with a growing `DynamicCache`).
+    """
+
+    def __init__(self, model, eos_token_ids: list[int] | None = None, pad_token_id: int | None = None,
+                 fast: bool = True):
         self.model = model
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else _eos_ids(model)
         pad = pad_token_id if pad_token_id is not None else model.config.pad_token_id
         self.pad_token_id = pad if pad is not None else self.eos_token_ids[0]
+        self.fast = fast
         # transformers 5.x renamed forward's `past_key_values` to `cache` (the old name warns).
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -169,7 +197,11 @@ class HFEngine:
         self.model.eval()
         try:
             with torch.inference_mode():
-                rollouts = self._decode([p for p in prompts for _ in range(n)], params, seed)
+                rows = [p for p in prompts for _ in range(n)]
+                if self.fast and FastDecoder.supports(self.model):
+                    rollouts = self._decode_fast(rows, params, seed)
+                else:
+                    rollouts = self._decode(rows, params, seed)
         finally:
             self.model.train(was_training)
         # Inference tensors cannot be saved for backward; plain copies can enter the training graph.
@@ -186,19 +218,24 @@ class HFEngine:
         )
         return out.logits[:, -1]  # (B, V): the next-token logits
 
-    def _decode(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> Rollouts:
+    def _start(self, prompts: list[list[int]], params: SamplingParams, seed: int):
         device = next(self.model.parameters()).device
         prompt_ids, prompt_mask = (t.to(device) for t in left_pad(prompts, self.pad_token_id))
         generator = torch.Generator(device=device).manual_seed(seed)
-        eos = torch.tensor(self.eos_token_ids, device=device)
-        cache = DynamicCache(config=self.model.config)
+        # one uniform per (row, step), drawn up front: a row's samples never depend on the others
+        u = torch.rand((len(prompts), params.max_new_tokens), generator=generator, device=device)
+        return prompt_ids, prompt_mask, u, torch.tensor(self.eos_token_ids, device=device)
 
+    def _decode(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> Rollouts:
+        """The plain loop: a transformers forward per step over every row."""
+        prompt_ids, prompt_mask, u, eos = self._start(prompts, params, seed)
+        cache = DynamicCache(config=self.model.config)
         mask = prompt_mask  # (B, Lp + t), grows by one column per step
         logits = self._forward(prompt_ids, mask, cache)  # (B, V)
-        alive = torch.ones(len(prompts), dtype=torch.bool, device=device)  # (B,)
+        alive = torch.ones(len(prompts), dtype=torch.bool, device=u.device)  # (B,)
         tokens, logps, masks = [], [], []
         for step in range(params.max_new_tokens):
-            token, logp = sample_next(logits, params, generator)
+            token, logp = sample_next(logits, params, u[:, step])
             token = token.masked_fill(~alive, self.pad_token_id)
             tokens.append(token)
             logps.append(logp.masked_fill(~alive, 0.0))
@@ -216,3 +253,188 @@ class HFEngine:
             response_mask=torch.stack(masks, dim=1).float(),  # (B, T)
             logp=torch.stack(logps, dim=1),  # (B, T)
         )
+
+    def _decode_fast(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> Rollouts:
+        """Shared prefill, static KV cache, lean steps, finished rows dropped (see the class)."""
+        prompt_ids, prompt_mask, u, eos = self._start(prompts, params, seed)
+        B, Lp = prompt_ids.shape
+        T_max = params.max_new_tokens
+        hooked = has_hooks(self.model)  # hooks must see every row in every forward
+        # ---- prefill, once per distinct prompt
+        first, inverse = _distinct_rows(prompts, hooked, prompt_ids.device)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(prompt_ids[first], prompt_mask[first], cache)[inverse]  # (B, V)
+        dec = FastDecoder(self.model, cache, inverse, prompt_mask, T_max, fuse=not hooked)
+        # ---- decode: `rows` are the batch rows still computed, in the order of dec's cache
+        rows = torch.arange(B, device=u.device)  # (A,)
+        alive = torch.ones(B, dtype=torch.bool, device=u.device)  # (A,)
+        pos = prompt_mask.sum(-1)  # (A,) position of the next token of each row
+        out_ids = torch.full((B, T_max), self.pad_token_id, dtype=torch.long, device=u.device)
+        out_logp = torch.zeros(B, T_max, device=u.device)
+        out_mask = torch.zeros(B, T_max, dtype=torch.bool, device=u.device)
+        T = T_max
+        for step in range(T_max):
+            token, logp = sample_next(logits, params, u[rows, step])
+            out_ids[rows, step] = token.masked_fill(~alive, self.pad_token_id)
+            out_logp[rows, step] = logp.masked_fill(~alive, 0.0)
+            out_mask[rows, step] = alive  # the eos token itself is still part of the response
+            alive &= ~torch.isin(token, eos)
+            n_alive = int(alive.sum())
+            if n_alive == 0 or step == T_max - 1:
+                T = step + 1
+                break
+            if not hooked and n_alive <= 0.75 * len(rows):  # drop the finished rows
+                keep = alive.nonzero().squeeze(1)
+                rows, token, pos, alive = rows[keep], token[keep], pos[keep], alive[keep]
+                dec.keep(keep)
+            logits = dec.step(token, pos, Lp + step)
+            pos = pos + 1
+        return Rollouts(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=out_ids[:, :T],  # (B, T)
+            response_mask=out_mask[:, :T].float(),  # (B, T)
+            logp=out_logp[:, :T],  # (B, T)
+        )
+
+
+def _distinct_rows(prompts: list[list[int]], hooked: bool, device):
+    """(first, inverse): a row per distinct prompt, and each row's prompt; identity when hooked."""
+    if hooked:
+        idx = torch.arange(len(prompts), device=device)
+        return idx, idx
+    seen: dict[tuple, int] = {}
+    first, inverse = [], []
+    for i, p in enumerate(prompts):
+        key = tuple(p)
+        if key not in seen:
+            seen[key] = len(first)
+            first.append(i)
+        inverse.append(seen[key])
+    return torch.tensor(first, device=device), torch.tensor(inverse, device=device)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class FastDecoder:
+    """One-token decode steps for decoder-only transformers of the Llama family (Qwen3, Qwen3-MoE,
+    Qwen2, Llama, Mistral) straight from the model's own modules, on a preallocated KV cache.
+
+    Per layer: the model's input norm, q/k/v projections (with Qwen3's q/k norms), RoPE from a
+    table built once, the new key/value written in place at its slot, attention of each query
+    head group over its key/value head, the output projection, the model's post-attention norm
+    and MLP (dense or sparse, as the model's own module computes it). What this skips is the
+    per-step bookkeeping of a transformers forward: mask construction, cache concatenation,
+    rotary recomputation, output capture. Supports full attention and static RoPE only
+    (`supports`); anything else decodes through the plain loop.
+    """
+
+    MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral")
+
+    @staticmethod
+    def supports(model) -> bool:
+        cfg = model.config
+        if getattr(cfg, "model_type", None) not in FastDecoder.MODEL_TYPES:
+            return False
+        if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
+            return False
+        if getattr(cfg, "use_sliding_window", False) or (
+                cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None)):
+            return False
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        if rope.get("rope_type", rope.get("type", "default")) in ("dynamic", "longrope"):
+            return False
+        decoder = model.get_decoder()
+        return hasattr(decoder, "rotary_emb") and all(hasattr(layer, "self_attn")
+                                                        for layer in decoder.layers)
+
+    def __init__(self, model, prefill_cache: DynamicCache, inverse: torch.Tensor,
+                 prompt_mask: torch.Tensor, max_new_tokens: int, fuse: bool = True):
+        self.model, self.decoder = model, model.get_decoder()
+        self.head = model.get_output_embeddings()
+        B, Lp = prompt_mask.shape
+        L = Lp + max_new_tokens
+        # per layer: keys (A, kv heads, head dim, L), stored transposed so that the scores are a
+        # plain (group, hd) @ (hd, S) product per row; values (A, kv heads, L, head dim)
+        self.keys, self.values = [], []
+        for layer in prefill_cache.layers:
+            k, v = layer.keys, layer.values  # (P, kv, Lp, hd)
+            K = k.new_empty((B, k.shape[1], k.shape[3], L))
+            V = v.new_empty((B, v.shape[1], L, v.shape[3]))
+            K[..., :Lp] = k[inverse].transpose(-1, -2)
+            V[:, :, :Lp] = v[inverse]
+            self.keys.append(K)
+            self.values.append(V)
+        dtype = self.values[0].dtype
+        # additive mask over cache slots: -inf on prompt padding; response slots always count
+        # (a finished row's later slots hold garbage no living row ever reads)
+        self.bias = torch.zeros(B, 1, 1, L, dtype=dtype, device=prompt_mask.device)
+        self.bias[:, 0, 0, :Lp].masked_fill_(prompt_mask == 0, float("-inf"))
+        positions = torch.arange(L, device=prompt_mask.device)[None]  # (1, L)
+        cos, sin = self.decoder.rotary_emb(self.values[0], positions)  # (1, L, hd) each
+        self.cos, self.sin = cos[0], sin[0]  # (L, hd)
+        # Fewer, larger GEMMs: q|k|v and gate|up concatenated once per rollout batch (the
+        # weights change between batches). Hooks on the projections would miss these calls.
+        self.qkv = [_fused(layer.self_attn, ("q_proj", "k_proj", "v_proj")) if fuse else None
+                    for layer in self.decoder.layers]
+        self.gate_up = [_fused(layer.mlp, ("gate_proj", "up_proj"))
+                        if fuse and type(layer.mlp).__name__.endswith("MLP") else None
+                        for layer in self.decoder.layers]
+
+    def keep(self, idx: torch.Tensor) -> None:
+        """Keep only batch rows idx (A',) of the cache."""
+        self.keys = [k[idx] for k in self.keys]
+        self.values = [v[idx] for v in self.values]
+        self.bias = self.bias[idx]
+
+    def step(self, token: torch.Tensor, pos: torch.Tensor, slot: int) -> torch.Tensor:
+        """Feed token (A,) at positions pos (A,), cache slot `slot`; next-token logits (A, V)."""
+        A = token.shape[0]
+        h = self.decoder.embed_tokens(token[:, None])  # (A, 1, H)
+        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # (A, 1, 1, hd)
+        bias = self.bias[..., : slot + 1]  # (A, 1, 1, S)
+        for i, layer in enumerate(self.decoder.layers):
+            attn = layer.self_attn
+            hd = attn.head_dim
+            x = layer.input_layernorm(h)  # (A, 1, H)
+            if self.qkv[i] is not None:
+                w, b, sizes = self.qkv[i]
+                q, k, v = F.linear(x, w, b).split(sizes, dim=-1)
+            else:
+                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            q, k, v = (t.reshape(A, 1, -1, hd) for t in (q, k, v))  # (A, 1, heads, hd)
+            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head, before RoPE
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            K, V = self.keys[i], self.values[i]
+            K[..., slot] = k[:, 0]
+            V[:, :, slot] = v[:, 0]
+            qg = q.view(A, K.shape[1], -1, hd)  # (A, kv, group, hd): query head j uses kv head j // group
+            scores = torch.matmul(qg, K[..., : slot + 1])  # (A, kv, group, S)
+            probs = (scores * attn.scaling + bias).softmax(-1, dtype=torch.float32).to(q.dtype)
+            o = torch.matmul(probs, V[:, :, : slot + 1])  # (A, kv, group, hd)
+            h = h + attn.o_proj(o.reshape(A, 1, -1))
+            x = layer.post_attention_layernorm(h)
+            if self.gate_up[i] is not None:
+                w, b, sizes = self.gate_up[i]
+                gate, up = F.linear(x, w, b).split(sizes, dim=-1)
+                h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            else:
+                h = h + layer.mlp(x)
+        return self.head(self.decoder.norm(h))[:, 0]  # (A, V)
+
+
+def _fused(module, names: tuple[str, ...]):
+    """(weight, bias, split sizes) of module's linear layers `names` stacked into one, or None."""
+    parts = [getattr(module, n, None) for n in names]
+    if not all(isinstance(p, torch.nn.Linear) for p in parts):
+        return None
+    if len({p.bias is None for p in parts}) != 1:
+        return None
+    weight = torch.cat([p.weight for p in parts])  # (sum out, H)
+    bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+    return weight, bias, [p.out_features for p in parts]
