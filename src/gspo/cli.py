@@ -1,4 +1,4 @@
-"""The command line: `gspo train`, `gspo plot`.
+"""The command line: `gspo train`, `gspo eval`, `gspo plot`.
 
 Errors the user can fix (a broken config, a missing model path, a run directory already in
 use) print one line to stderr and exit with status 2, without a traceback.
@@ -87,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     p = argparse.ArgumentParser(prog="gspo", description="Group Sequence Policy Optimization "
                                 "(arXiv 2507.18071) for RL fine-tuning of language models.")
-    p.add_argument("command", choices=["train", "plot"], help="train: run RL fine-tuning; "
-                   "plot: PNG charts of one or more run directories")
+    p.add_argument("command", choices=["train", "eval", "plot"], help="train: run RL "
+                   "fine-tuning; eval: avg@k and pass@k of a model on a dataset; plot: PNG "
+                   "charts of one or more run directories")
     if not argv or argv[0] in ("-h", "--help"):
         p.print_help()
         return 0 if argv else USAGE_ERROR
@@ -98,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "plot":
         from gspo.plot import main as plot_main
         return plot_main(rest)
+    if cmd == "eval":
+        from gspo.eval_cli import main as eval_main
+        return eval_main(rest)
     p.parse_args([cmd])  # prints the error and exits 2
     return USAGE_ERROR
 

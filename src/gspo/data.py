@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 log = logging.getLogger(__name__)
@@ -33,21 +34,31 @@ def encode_prompts(tokenizer, rows: Sequence[dict], system_prompt: str | None = 
     return out
 
 
-def score(reward_fn: RewardFn, completions: Sequence[str], rows: Sequence[dict]
-          ) -> tuple[list[float], int]:
-    """Rewards of completions[i] against rows[i]; returns (rewards, number of failed calls)."""
-    rewards, failures = [], 0
-    for completion, row in zip(completions, rows, strict=True):
+def score(reward_fn: RewardFn, completions: Sequence[str], rows: Sequence[dict],
+          workers: int = 1) -> tuple[list[float], int]:
+    """Rewards of completions[i] against rows[i]; returns (rewards, number of failed calls).
+
+    workers > 1 scores in a thread pool (for rewards that wait on subprocesses, e.g. code)."""
+    def one(completion: str, row: dict) -> tuple[float, Exception | None]:
         fields = {k: v for k, v in row.items() if k != "prompt"}
         try:
             r = float(reward_fn(completion, **fields))
             if not math.isfinite(r):
                 raise ValueError(f"non-finite reward {r}")
+            return r, None
         except Exception as e:  # a user's reward must never kill the run
-            failures += 1
-            if failures == 1:
-                log.warning("reward function %s failed (%s: %s); scoring 0",
-                            getattr(reward_fn, "__name__", reward_fn), type(e).__name__, e)
-            r = 0.0
-        rewards.append(r)
-    return rewards, failures
+            return 0.0, e
+
+    if len(completions) != len(rows):
+        raise ValueError(f"{len(completions)} completions but {len(rows)} rows")
+    if workers > 1:
+        with ThreadPoolExecutor(workers) as pool:
+            results = list(pool.map(one, completions, rows))
+    else:
+        results = [one(c, r) for c, r in zip(completions, rows)]
+    errors = [e for _, e in results if e is not None]
+    if errors:
+        log.warning("reward function %s failed on %d of %d completions (first: %s: %s); "
+                    "scored 0", getattr(reward_fn, "__name__", reward_fn), len(errors),
+                    len(results), type(errors[0]).__name__, errors[0])
+    return [r for r, _ in results], len(errors)

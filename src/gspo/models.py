@@ -430,3 +430,13 @@ def _prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
     first = torch.full((P,), key.shape[0], dtype=torch.long, device=key.device)
     first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # (P,)
     return first, inverse
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Every token that ends a response: the generation config's eos ids (Qwen lists several,
+    e.g. <|im_end|> and <|endoftext|>) and the tokenizer's eos."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return eos

@@ -36,7 +36,7 @@ from gspo.data import encode_prompts, score
 from gspo.evaluate import decode_responses, evaluate
 from gspo.logger import MetricsLogger
 from gspo.models import (build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer, load_model,
-                         token_logprobs)
+                         stop_token_ids, token_logprobs)
 from gspo.moe import RoutingRecorder, expert_volatility, is_moe, load_stats
 from gspo.objectives import (OBJECTIVES, engine_mismatch, group_advantages, kl_k3,
                              truncated_is_weights)
@@ -111,7 +111,9 @@ def warmup(model, tokenizer, rows: list[dict], solution, cfg: Config) -> float:
     model.train()
     for _ in _progress(range(w.steps), "warm-up", cfg.train.progress):
         batch = rng.sample(rows, min(w.batch_size, len(rows)))
-        prompt_ids, prompt_mask = left_pad(encode_prompts(tokenizer, batch), tokenizer.pad_token_id)
+        prompt_ids, prompt_mask = left_pad(encode_prompts(tokenizer, batch,
+                                                          cfg.data.system_prompt or None),
+                                           tokenizer.pad_token_id)
         answers = [tokenizer.encode(solution(r), add_special_tokens=False) + [eos] for r in batch]
         resp_ids, resp_mask = _right_pad(answers, tokenizer.pad_token_id)
         input_ids = torch.cat([prompt_ids, resp_ids], 1)
@@ -285,7 +287,7 @@ def make_engine(model, tokenizer, cfg: Config) -> RolloutEngine:
                           gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                           seed=cfg.train.seed)
     sampler = model if r.dtype == cfg.model.dtype else copy.deepcopy(model).to(getattr(torch, r.dtype))
-    return HFEngine(sampler, eos_token_ids=[tokenizer.eos_token_id],
+    return HFEngine(sampler, eos_token_ids=stop_token_ids(model, tokenizer),
                     pad_token_id=tokenizer.pad_token_id)
 
 
@@ -343,14 +345,14 @@ def run_eval(run: Run) -> dict[str, float]:
     t, r = run.cfg.train, run.cfg.rollout
     res = evaluate(run.engine, run.tokenizer, run.eval_rows, run.reward_fn, t.eval_k,
                    SamplingParams(t.eval_temperature, r.top_p, r.max_new_tokens),
-                   seed=t.seed + 999_983)
+                   seed=t.seed + 999_983, system_prompt=run.cfg.data.system_prompt or None)
     return {"eval/accuracy": res.avg_at_k, **{f"eval/pass@{k}": v for k, v in res.pass_at.items()}}
 
 
 def generate(run: Run, rows: list[dict], step: int) -> Rollouts:
     """Sample G responses per prompt; records the engine's MoE routing when it will be replayed."""
     r = run.cfg.rollout
-    prompts = encode_prompts(run.tokenizer, rows)
+    prompts = encode_prompts(run.tokenizer, rows, run.cfg.data.system_prompt or None)
     params = SamplingParams(r.temperature, r.top_p, r.max_new_tokens)
     seed = run.cfg.train.seed * 7_919 + step
     if run.rollout_routing is None:
@@ -398,7 +400,8 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     texts = decode_responses(run.tokenizer, rollouts)
     t_rollout = time.perf_counter() - t0
     # ---- rewards and group advantages
-    rewards, reward_failures = score(run.reward_fn, texts, [row for row in rows for _ in range(G)])
+    rewards, reward_failures = score(run.reward_fn, texts, [row for row in rows for _ in range(G)],
+                                     workers=getattr(run.reward_fn, "workers", 1))
     rewards = torch.tensor(rewards)  # (B,)
     adv = group_advantages(rewards, G, cfg.algorithm.advantage_scale)
     # ---- pi_old (and pi_ref)

@@ -1,0 +1,180 @@
+"""`gspo eval`: avg@K and pass@k of a model on a math or code data file.
+
+    gspo eval --model PATH --data FILE --task math|code [--k K] [--output FILE.jsonl]
+              [data.prompt_field=question ...]
+
+K responses are sampled per problem with the rollout engine and scored with the task's reward
+(format bonus off: correctness only). Reported per problem and overall: avg@K, the mean reward
+over all K samples (the paper's AIME'24 avg@32), and the unbiased pass@k estimator for k = 1,
+2, 4, ... up to K (a sample counts as correct when its reward is >= 1). The numbers come from
+gspo.evaluate.evaluate, the code the trainer's periodic evaluation runs. The JSONL holds one
+row per problem (its samples, rewards and metrics) and a last row with "id": "overall"; a table
+is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from gspo.evaluate import EvalResult, evaluate, pass_at_k
+from gspo.rollout import SamplingParams
+
+USAGE_ERROR = 2
+TABLE_ROWS = 50  # problems printed; the JSONL always has them all
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gspo eval", description="avg@K and pass@k of a model on a math or code data file.",
+        epilog="data.* overrides map the file's fields and set the reward, as for gspo train "
+               "(gspo train --help lists them): e.g. data.prompt_field=question "
+               "data.system_prompt='...' data.reward=my_module:my_reward")
+    p.add_argument("--model", required=True,
+                   help="model directory or hub id (or 'tiny-qwen3', randomly initialised)")
+    p.add_argument("--data", required=True, help=".jsonl, .json, .parquet, .csv or a datasets "
+                   "directory saved with save_to_disk")
+    p.add_argument("--task", required=True, choices=["math", "code"], help="the reward")
+    p.add_argument("--k", type=int, default=4, help="samples per problem (the paper: 32)")
+    p.add_argument("--output", help="JSONL file (default: eval-<task>-<time>.jsonl)")
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="longest response")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--batch-size", type=int, default=16, help="problems per generate call "
+                   "(each sampled K times)")
+    p.add_argument("--limit", type=int, default=0, help="only the first N problems (0 = all)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("overrides", nargs="*", metavar="data.key=value", help="data config overrides")
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"gspo: error: {msg}", file=sys.stderr)
+    return USAGE_ERROR
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gspo.config import ConfigError
+    from gspo.models import ModelLoadError
+
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.k < 1 or args.batch_size < 1 or args.limit < 0:
+            raise ConfigError("--k and --batch-size must be >= 1 and --limit >= 0")
+        try:
+            params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        data_cfg, rows, reward_fn = load_eval_task(args.task, args.data, args.overrides,
+                                                   args.limit)
+        engine, tokenizer = load_engine(args.model, args.dtype, args.device)
+        t0 = time.perf_counter()
+        try:
+            result = evaluate(engine, tokenizer, rows, reward_fn, args.k, params, args.seed,
+                              batch_size=args.batch_size,
+                              system_prompt=data_cfg.system_prompt or None)
+        finally:
+            getattr(reward_fn, "close", lambda: None)()
+    except (ConfigError, ModelLoadError) as e:
+        return _fail(str(e))
+    records = report_records(result, rows, args.k)
+    output = Path(args.output or f"eval-{args.task}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+    write_jsonl(records, output)
+    print(format_table(records, args.k))
+    print(f"\n  {len(rows)} problems x {args.k} samples in {time.perf_counter() - t0:.0f} s; "
+          f"written to {output}")
+    return 0
+
+
+def load_eval_task(task: str, data: str, overrides: Sequence[str], limit: int = 0):
+    """(DataConfig, every row of the file, reward with the format bonus off)."""
+    from gspo.config import ConfigError, load_config
+    from gspo.tasks import build_reward
+    from gspo.tasks.datasets import load_rows
+
+    bad = [o for o in overrides if not o.startswith("data.")]
+    if bad:
+        raise ConfigError(f"gspo eval takes data.* overrides only, got {' '.join(bad)}")
+    # json.dumps quotes the path, so YAML reads any path as a string
+    cfg = load_config(overrides=[f"data.task={task}", f"data.path={json.dumps(data)}",
+                                 *overrides])
+    d = dataclasses.replace(cfg.data, format_weight=0.0)
+    rows = load_rows(data, d)
+    return d, rows[:limit] if limit else rows, build_reward(d)
+
+
+def load_engine(model_path: str, dtype: str = "float32", device: str | None = None):
+    """(HFEngine, tokenizer) of a model directory, hub id or 'tiny-qwen3'."""
+    import torch
+    import transformers
+
+    from gspo.models import build_tiny_qwen3, build_tokenizer, load_model, stop_token_ids
+    from gspo.rollout import HFEngine
+
+    transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if model_path == "tiny-qwen3":
+        tokenizer = build_tokenizer()
+        model = build_tiny_qwen3(tokenizer).to(device)
+    else:
+        model, tokenizer = load_model(model_path, dtype=dtype, device=device)
+    return (HFEngine(model.eval(), eos_token_ids=stop_token_ids(model, tokenizer),
+                     pad_token_id=tokenizer.pad_token_id), tokenizer)
+
+
+def report_records(result: EvalResult, rows: Sequence[dict], k: int) -> list[dict]:
+    """One record per problem, then the overall one; every record has the same metric keys."""
+    ks = sorted(result.pass_at)
+    records = []
+    for i, (row, p) in enumerate(zip(rows, result.per_problem, strict=True)):
+        rec = {"id": i, "n": k, "correct": p["correct"],
+               f"avg@{k}": sum(p["rewards"]) / k,
+               **{f"pass@{j}": pass_at_k(k, p["correct"], j) for j in ks},
+               "prompt": row["prompt"]}
+        if "answer" in row:
+            rec["answer"] = row["answer"]
+        records.append({**rec, "rewards": p["rewards"], "completions": p["completions"]})
+    records.append({"id": "overall", "n": k, "problems": len(rows),
+                    "correct": sum(p["correct"] for p in result.per_problem),
+                    f"avg@{k}": result.avg_at_k,
+                    **{f"pass@{j}": result.pass_at[j] for j in ks},
+                    "reward_failures": result.reward_failures})
+    return records
+
+
+def write_jsonl(records: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for rec in records:
+            f.write(json.dumps(rec, default=str) + "\n")
+
+
+def format_table(records: list[dict], k: int, max_rows: int = TABLE_ROWS) -> str:
+    metrics = [f"avg@{k}"] + [key for key in records[-1] if key.startswith("pass@")]
+    header = f"  {'problem':>7}  {'correct':>7}  " + "  ".join(f"{m:>8}" for m in metrics)
+    lines = [header + "  prompt", "  " + "-" * (len(header) + 30)]
+    problems = records[:-1]
+    for rec in problems[:max_rows]:
+        prompt = " ".join(str(rec["prompt"]).split())
+        lines.append(f"  {rec['id']:>7}  {rec['correct']:>4}/{k:<2}  "
+                     + "  ".join(f"{100 * rec[m]:7.1f}%" for m in metrics)
+                     + f"  {prompt[:40] + ('...' if len(prompt) > 40 else '')}")
+    if len(problems) > max_rows:
+        lines.append(f"  ... {len(problems) - max_rows} more problems in the JSONL")
+    overall = records[-1]
+    lines.append("  " + "-" * (len(header) + 30))
+    lines.append(f"  {'overall':>7}  {overall['correct']:>7}  "
+                 + "  ".join(f"{100 * overall[m]:7.1f}%" for m in metrics)
+                 + f"  {overall['problems']} problems")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

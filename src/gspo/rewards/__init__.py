@@ -1,0 +1,53 @@
+"""Reward functions: plain callables `f(completion: str, **row_fields) -> float`.
+
+Built in: `gspo.rewards.math` (math-verify equivalence of the final answer) and
+`gspo.rewards.code` (the program run against the row's tests in the sandbox). A user's own is
+named in the config as `data.reward=module:function` (or `path/to/file.py:function`) and loaded
+by `load_reward`. The trainer scores through `gspo.data.score`, where a reward that raises or
+returns a non-finite value counts 0 and is logged, never killing the run.
+
+The submodules are imported lazily: the math-verify helper process imports this package and
+should not pay for the sandbox.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from typing import Callable
+
+from gspo.config import ConfigError
+
+RewardFn = Callable[..., float]
+
+
+def load_reward(spec: str) -> RewardFn:
+    """The callable named by 'package.module:function' or 'path/to/file.py:function'."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"data.reward '{spec}' must look like 'module:function' or "
+                          f"'path/to/file.py:function'")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name).expanduser()
+            if not path.is_file():
+                raise ConfigError(f"data.reward '{spec}': file '{path}' not found")
+            module_spec = importlib.util.spec_from_file_location(f"gspo_user_reward_{path.stem}",
+                                                                 path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ConfigError:
+        raise
+    except Exception as e:  # an ImportError, or the module itself failing at import
+        raise ConfigError(f"data.reward '{spec}': cannot import '{module_name}' "
+                          f"({type(e).__name__}: {e})") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ConfigError(f"data.reward '{spec}': '{module_name}' has no attribute '{attr}'")
+    if not callable(fn):
+        raise ConfigError(f"data.reward '{spec}': '{attr}' is a {type(fn).__name__}, not a "
+                          f"callable f(completion, **row_fields) -> float")
+    return fn

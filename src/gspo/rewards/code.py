@@ -1,0 +1,317 @@
+"""Code reward: run the program in a completion against a task's tests in the sandbox.
+
+Tests come in the formats the code-RL community uses and are normalised by `normalize_tests`
+into two kinds:
+
+    {"kind": "stdin", "input": "1 2\\n", "output": "3\\n"}              CodeForces / LiveCodeBench
+    {"kind": "call", "fn_name": "add", "args": [1, 2], "expected": 3}  LeetCode / APPS call-based
+
+Accepted on input: a list of such dicts (also LiveCodeBench's {"input", "output", "testtype":
+"stdin" | "functional"}, where a functional input holds one JSON value per line), or an APPS /
+TACO mapping {"inputs": [...], "outputs": [...], "fn_name"?: "..."}; either may be a JSON
+string. A stdin test passes when the whitespace-separated tokens of stdout equal the expected
+ones (numbers within 1e-6). A call test passes when the returned value equals the expected one
+(JSON round trip; numbers within 1e-6; APPS's `[value]` wrapping of an expected value is
+accepted). The program is the last fenced code block of the completion (```python preferred),
+or the whole completion when it has no fence.
+
+Each test runs in a fresh sandbox (`gspo.sandbox`), all tests of a completion in parallel.
+Score: 1.0 when every test passes (mode 'all', which stops at the first failure) or the
+fraction passing (mode 'fraction'), plus `format_weight` when the completion has a fenced code
+block. Left out: special checkers (problems with several correct outputs), and interactive
+problems. Call-based tests run the model's code in the same process as the harness that
+reports the result, so a program could forge that report; stdin tests compare in the parent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import threading
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from gspo.sandbox import Limits, RunResult, Sandbox
+
+log = logging.getLogger(__name__)
+
+MODES = ("all", "fraction")
+_FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
+
+# Runs the solution's function with stdout captured, then prints the result as a last JSON line.
+CALL_HARNESS = '''\
+import contextlib, io, json, sys
+
+def _main():
+    with open("call.json") as f:
+        spec = json.load(f)
+    with open("solution.py") as f:
+        source = f.read()
+    namespace = {"__name__": "__solution__"}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(source, "solution.py", "exec"), namespace)
+        fn = namespace.get(spec["fn_name"])
+        if fn is None and isinstance(namespace.get("Solution"), type):
+            fn = getattr(namespace["Solution"](), spec["fn_name"], None)
+        if fn is None:
+            raise SystemExit("no function or Solution method named %r" % spec["fn_name"])
+        result = fn(*spec["args"])
+    sys.stdout.write("\\n" + json.dumps({"result": result}, default=repr) + "\\n")
+
+_main()
+'''
+
+
+# ---------------------------------------------------------------------------------------------
+# tests and programs
+
+
+def normalize_tests(raw: Any, fn_name: str | None = None) -> list[dict]:
+    """The canonical test list of `raw` (see the module docstring); ValueError when malformed."""
+    if isinstance(raw, (str, bytes)):
+        try:
+            raw = json.loads(raw)
+        except ValueError as e:
+            raise ValueError(f"tests are a string but not JSON ({e})") from None
+    if isinstance(raw, dict):
+        if not isinstance(raw.get("inputs"), list) or not isinstance(raw.get("outputs"), list):
+            raise ValueError("a tests mapping needs 'inputs' and 'outputs' lists (APPS style)")
+        if len(raw["inputs"]) != len(raw["outputs"]):
+            raise ValueError(f"{len(raw['inputs'])} inputs but {len(raw['outputs'])} outputs")
+        fn_name = raw.get("fn_name") or fn_name
+        raw = [{"input": i, "output": o}
+               for i, o in zip(raw["inputs"], raw["outputs"], strict=True)]
+    if not isinstance(raw, list) or not raw:
+        raise ValueError("tests must be a non-empty list of {input, output} tests or an "
+                         "{inputs, outputs} mapping")
+    return [_one_test(t, fn_name, i) for i, t in enumerate(raw)]
+
+
+def _one_test(t: Any, fn_name: str | None, i: int) -> dict:
+    if not isinstance(t, dict):
+        raise ValueError(f"test {i} is a {type(t).__name__}, not a mapping")
+    kind = t.get("kind") or t.get("testtype")
+    fn = t.get("fn_name") or fn_name
+    if kind in ("call", "functional") or (kind is None and fn):
+        if not fn:
+            raise ValueError(f"test {i} is call-based but names no fn_name")
+        if "args" in t:
+            args, expected = t["args"], t.get("expected")
+        elif "input" in t and "output" in t:
+            args, expected = _call_args(t["input"]), _json_or_text(t["output"])
+        else:
+            raise ValueError(f"test {i} needs 'args' and 'expected' (or 'input' and 'output')")
+        return {"kind": "call", "fn_name": str(fn),
+                "args": list(args) if isinstance(args, (list, tuple)) else [args],
+                "expected": expected}
+    if kind not in (None, "stdin"):
+        raise ValueError(f"test {i} has unknown kind {kind!r} (stdin | call | functional)")
+    if "input" not in t or "output" not in t:
+        raise ValueError(f"test {i} needs 'input' and 'output'")
+    inp, out = (_text(t[k]) for k in ("input", "output"))
+    if inp is None or out is None:
+        raise ValueError(f"test {i}: input and output must be text")
+    return {"kind": "stdin", "input": inp, "output": out}
+
+
+def _text(v: Any) -> str | None:
+    if isinstance(v, list) and all(isinstance(x, str) for x in v):
+        return "\n".join(v)
+    return v if isinstance(v, str) else None
+
+
+def _json_or_text(v: Any) -> Any:
+    if isinstance(v, str):
+        try:
+            return json.loads(v)
+        except ValueError:
+            return v
+    return v
+
+
+def _call_args(inp: Any) -> list:
+    if isinstance(inp, str):  # LiveCodeBench functional: one JSON value per argument line
+        return [_json_or_text(line) for line in inp.splitlines() if line.strip()]
+    return inp if isinstance(inp, list) else [inp]
+
+
+def extract_code(completion: str) -> str | None:
+    """The last ```python block, else the last fenced block, else the whole text (None if
+    empty)."""
+    if not isinstance(completion, str):
+        return None
+    blocks = _FENCE.findall(completion)
+    if blocks:
+        py = [body for lang, body in blocks if lang.lower() in ("python", "py", "python3")]
+        return (py or [body for _, body in blocks])[-1]
+    return completion if completion.strip() else None
+
+
+def _tokens_match(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        x, y = float(a), float(b)
+    except ValueError:
+        return False
+    return math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-6)
+
+
+def outputs_match(got: str, expected: str) -> bool:
+    """Token-wise equality of two outputs, numbers within 1e-6 (the default CodeForces check)."""
+    g, e = got.split(), expected.split()
+    return len(g) == len(e) and all(_tokens_match(x, y) for x, y in zip(g, e, strict=True))
+
+
+def values_match(got: Any, expected: Any) -> bool:
+    """Equality of a returned value and the expected one after a JSON round trip."""
+    if isinstance(got, bool) or isinstance(expected, bool):
+        return got == expected
+    if isinstance(got, (int, float)) and isinstance(expected, (int, float)):
+        return math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-6)
+    if isinstance(got, list) and isinstance(expected, list):
+        return len(got) == len(expected) and all(map(values_match, got, expected))
+    if isinstance(got, dict) and isinstance(expected, dict):
+        return got.keys() == expected.keys() and all(values_match(got[k], expected[k])
+                                                      for k in got)
+    return got == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# running
+
+
+@dataclass
+class TestOutcome:
+    """status: passed | wrong | error | timeout | output_limit | setup_error | no_code."""
+
+    passed: bool
+    status: str
+    detail: str = ""
+
+
+def _judge(test: dict, r: RunResult) -> TestOutcome:
+    if not r.ok:
+        return TestOutcome(False, r.status, r.stderr.decode(errors="replace")[-300:])
+    out = r.stdout.decode(errors="replace")
+    if test["kind"] == "stdin":
+        ok = outputs_match(out, test["output"])
+        return TestOutcome(ok, "passed" if ok else "wrong", "" if ok else out[-300:])
+    lines = [line for line in out.splitlines() if line.strip()]
+    try:
+        got = json.loads(lines[-1])["result"]
+    except (IndexError, ValueError, KeyError, TypeError):
+        return TestOutcome(False, "error", "the harness reported no result")
+    exp = test["expected"]
+    ok = values_match(got, exp) or (isinstance(exp, list) and len(exp) == 1
+                                    and values_match(got, exp[0]))
+    return TestOutcome(ok, "passed" if ok else "wrong", "" if ok else repr(got)[:300])
+
+
+class CodeReward:
+    """`f(completion, tests, fn_name=None, **_) -> float` over a shared sandbox and pool.
+
+    mode: 'all' (1 when every test passes) or 'fraction'; format_weight: added when the
+    completion has a fenced code block; limits: per test run; workers: parallel runs (default
+    the number of CPUs).
+    """
+
+    def __init__(self, mode: str = "all", format_weight: float = 0.0,
+                 limits: Limits | None = None, workers: int | None = None,
+                 python: str | None = None, sandbox: Sandbox | None = None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.mode, self.format_weight = mode, format_weight
+        self.sandbox = sandbox or Sandbox(limits or Limits(wall_s=5.0, cpu_s=5.0), python)
+        self.workers = workers or os.cpu_count() or 1
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._checked = False
+        self.__name__ = "code_reward"
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="gspo-sandbox")
+            if not self._checked:
+                self._checked = True
+                _log_containment(self.sandbox.containment())
+            return self._pool
+
+    def _run_one(self, code: str, test: dict) -> TestOutcome:
+        sb = self.sandbox
+        if test["kind"] == "stdin":
+            r = sb.run({"main.py": code}, [sb.python, "-I", "-B", "main.py"], test["input"])
+        else:
+            spec = json.dumps({"fn_name": test["fn_name"], "args": test["args"]})
+            r = sb.run({"harness.py": CALL_HARNESS, "solution.py": code, "call.json": spec},
+                       [sb.python, "-I", "-B", "harness.py"])
+        return _judge(test, r)
+
+    def run_tests(self, completion: str, tests: Any, fn_name: str | None = None
+                  ) -> list[TestOutcome]:
+        """One outcome per test; in mode 'all', tests not started after a failure are
+        skipped (status 'not_run')."""
+        tests = normalize_tests(tests, fn_name)
+        code = extract_code(completion)
+        if code is None:
+            return [TestOutcome(False, "no_code") for _ in tests]
+        pool = self._executor()
+        futures = {pool.submit(self._run_one, code, t): i for i, t in enumerate(tests)}
+        outcomes: list[TestOutcome | None] = [None] * len(tests)
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for f in done:
+                outcomes[futures[f]] = f.result()
+            if self.mode == "all" and any(o is not None and not o.passed for o in outcomes):
+                for f in pending:
+                    f.cancel()
+                wait(pending)
+                break
+        return [o or TestOutcome(False, "not_run") for o in outcomes]
+
+    def __call__(self, completion: str, tests: Any = None, fn_name: str | None = None,
+                 **_: Any) -> float:
+        if tests is None:
+            raise ValueError("the code reward needs the row's tests")
+        outcomes = self.run_tests(completion, tests, fn_name)
+        passed = sum(o.passed for o in outcomes)
+        score = passed / len(outcomes) if self.mode == "fraction" else float(
+            passed == len(outcomes))
+        has_fence = isinstance(completion, str) and bool(_FENCE.search(completion))
+        return score + self.format_weight * has_fence
+
+    def batch(self, completions: Sequence[str], rows: Sequence[dict]) -> list[float]:
+        """Rewards of many completions at once, their tests sharing the pool."""
+        with ThreadPoolExecutor(max(1, min(len(completions), self.workers))) as outer:
+            return list(outer.map(lambda c, r: self(c, **{k: v for k, v in r.items()
+                                                         if k != "prompt"}),
+                                  completions, rows))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+                self._pool = None
+
+
+def _log_containment(c: dict) -> None:
+    layers = [k for k in ("netns", "mountns", "pidns") if c.get(k)]
+    msg = (f"code sandbox: {', '.join(layers) or 'no namespaces'}, uid {c.get('uid')}"
+           f"{' (user namespace)' if c.get('userns') else ''}, python {c.get('python')}")
+    if not c.get("runs"):
+        log.error("%s: a trivial program fails to run: %s", msg, c.get("error"))
+    elif len(layers) < 3 or c.get("uid") == 0:
+        log.warning("%s: weaker containment than intended (see gspo.sandbox)", msg)
+    else:
+        log.info("%s", msg)
+
+
+code_reward = CodeReward()
+"""The default code reward: mode 'all', 5 s per test
+(`data.reward=gspo.rewards.code:code_reward`)."""

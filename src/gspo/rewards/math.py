@@ -1,0 +1,196 @@
+"""Math reward: the completion's final answer checked against the reference with math-verify.
+
+The reference may be a bare answer (`42`, `\\frac{1}{2}`), a `\\boxed{}` answer or a whole
+solution ending in one (MATH, AIME), or a GSM8K solution ending in `#### 42`. From the
+completion math-verify extracts the last `\\boxed{}` answer, else the last plain final answer
+("the answer is 3/4", "= 0.75"), and decides symbolic or numeric equivalence (`0.5` = `\\frac12`,
+`(x+1)^2` = `x^2+2x+1`, `1,000` = `1000`).
+
+math-verify runs in a helper process (`python -m gspo.rewards.math`), so that a pathological
+completion (a 10^10^10 power, an expression sympy cannot simplify, a regex blow-up in C) costs
+at most `timeout` seconds: past it the helper is killed, restarted on the next call, and the
+completion scores 0. Only the part of a long completion that can hold the answer is sent: from
+its last `\\boxed` on, or else its last `max_chars` characters.
+
+Score: 1.0 when equivalent, else 0.0; plus `format_weight` when the completion states its answer
+in `\\boxed{...}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import selectors
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_BOXED = re.compile(r"\\boxed\s*\{.*\}", re.DOTALL)
+_STARTUP_S = 120.0  # importing sympy + math-verify, on a loaded machine
+
+
+def answer_window(completion: str, max_chars: int = 4096) -> str:
+    """The part of a completion that can hold its final answer, at most max_chars long."""
+    if len(completion) <= max_chars:
+        return completion
+    start = completion.rfind("\\boxed")
+    if start >= 0:
+        return completion[start:start + max_chars]
+    return completion[-max_chars:]
+
+
+def reference_text(answer) -> str:
+    """The reference as math-verify parses it: after GSM8K's '####', in $...$ unless boxed."""
+    text = str(answer).strip()
+    if "####" in text:
+        text = text.rsplit("####", 1)[1].strip().replace(",", "")
+    if "\\boxed" in text or (text.startswith("$") and text.endswith("$")):
+        return text
+    return f"${text}$"
+
+
+def has_boxed_answer(completion: str) -> bool:
+    return isinstance(completion, str) and bool(_BOXED.search(answer_window(completion)))
+
+
+class _Helper:
+    """The math-verify process: one JSON request per line in, one JSON reply per line out."""
+
+    def __init__(self):
+        src = str(Path(__file__).resolve().parents[2])  # .../src, so `gspo` imports there
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+        # Its own session: a Ctrl-C in the terminal reaches the trainer, which then closes us.
+        self.proc = subprocess.Popen([sys.executable, "-m", "gspo.rewards.math"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.proc.stdout, selectors.EVENT_READ)
+        if self._reply(_STARTUP_S) != {"ready": True}:
+            self.close()
+            raise RuntimeError("the math-verify helper process failed to start; is math-verify "
+                               "installed (pip install -e '.[math]')?")
+
+    def _reply(self, timeout: float) -> dict | None:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sel.select(left):
+                return None
+            line = self.proc.stdout.readline()
+            if not line:
+                return None  # the helper died
+            return json.loads(line)
+
+    def ask(self, request: dict, timeout: float) -> dict | None:
+        try:
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            return None
+        return self._reply(timeout)
+
+    def close(self) -> None:
+        self.sel.close()
+        self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            f.close()
+
+
+class MathReward:
+    """`f(completion, answer, **_) -> float`; see the module docstring. Thread-safe."""
+
+    def __init__(self, timeout: float = 5.0, format_weight: float = 0.0, max_chars: int = 4096):
+        self.timeout, self.format_weight, self.max_chars = timeout, format_weight, max_chars
+        self._helper: _Helper | None = None
+        self._lock = threading.Lock()
+        self.timeouts = 0  # completions scored 0 because math-verify ran out of time
+        self.__name__ = "math_reward"
+
+    def is_correct(self, completion: str, answer) -> bool:
+        if not isinstance(completion, str) or not completion.strip():
+            return False
+        request = {"pred": answer_window(completion, self.max_chars),
+                   "gold": reference_text(answer), "timeout": self.timeout}
+        with self._lock:
+            if self._helper is None or self._helper.proc.poll() is not None:
+                self._helper = _Helper()
+            reply = self._helper.ask(request, self.timeout)
+            if reply is None:  # out of time or dead: never wait for it again
+                self._helper.close()
+                self._helper = None
+                self.timeouts += 1
+                log.warning("math-verify gave no verdict within %.1fs on a %d-character "
+                            "completion; scoring 0", self.timeout, len(completion))
+                return False
+        return bool(reply.get("correct"))
+
+    def __call__(self, completion: str, answer="", **_) -> float:
+        score = float(self.is_correct(completion, answer))
+        if self.format_weight:
+            score += self.format_weight * has_boxed_answer(completion)
+        return score
+
+    def close(self) -> None:
+        with self._lock:
+            if self._helper is not None:
+                self._helper.close()
+                self._helper = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+math_reward = MathReward()
+"""The default math reward (5 s per completion); `data.reward=gspo.rewards.math:math_reward`."""
+
+
+# ---------------------------------------------------------------------------------------------
+# the helper process
+
+
+def _serve() -> None:
+    """Answer {"pred", "gold", "timeout"} lines with {"correct": bool} lines until EOF."""
+    import resource
+    from functools import lru_cache
+
+    logging.disable(logging.CRITICAL)  # math-verify logs whole expressions on its timeouts
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # sympy blow-ups: MemoryError
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    configs = [LatexExtractionConfig(), ExprExtractionConfig()]
+
+    def _parse(text: str, seconds: int):
+        return parse(text, extraction_config=configs, parsing_timeout=seconds)
+
+    gold_cache = lru_cache(maxsize=4096)(_parse)
+    out = sys.stdout
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        req = json.loads(line)
+        # math-verify's own (signal) timeouts end most slow cases gracefully; the parent's
+        # kill is the backstop. Integer seconds: signal.alarm.
+        seconds = max(1, int(req["timeout"] // 3))
+        try:
+            gold = gold_cache(req["gold"], seconds)
+            pred = _parse(req["pred"], seconds)
+            correct = bool(gold and pred and verify(gold, pred, timeout_seconds=seconds))
+        except Exception:  # noqa: BLE001 - MemoryError, RecursionError, sympy's own errors
+            correct = False
+        out.write(json.dumps({"correct": correct}) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    _serve()

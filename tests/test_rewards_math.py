@@ -1,0 +1,91 @@
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from gspo.rewards.math import MathReward, answer_window, reference_text
+
+DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
+
+
+@pytest.fixture(scope="module")
+def reward():
+    r = MathReward(timeout=5.0)
+    yield r
+    r.close()
+
+
+@pytest.mark.parametrize("completion, answer", [
+    ("so the answer is \\boxed{0.5}", "\\frac{1}{2}"),
+    ("\\boxed{\\frac{2}{4}}", "0.5"),
+    ("The answer is 42.", "42"),
+    ("We get \\boxed{1,000} in total.", "Adding up ... #### 1,000"),  # a GSM8K reference
+    ("Therefore $x = \\boxed{6}$", "Adding 7 gives $3x = 18$, so $x = \\boxed{6}$."),  # MATH
+    ("\\boxed{(x+1)^2}", "x^2+2x+1"),
+    ("\\boxed{\\sqrt{50}}", "5\\sqrt{2}"),
+    ("the image is \\boxed{(-3, 4)}", "(-3,4)"),
+    ("\\boxed{\\pi}", "\\pi"),
+])
+def test_equivalent_forms_score_one(reward, completion, answer):
+    assert reward(completion, answer=answer) == 1.0
+
+
+@pytest.mark.parametrize("completion, answer", [
+    ("\\boxed{41}", "42"),
+    ("\\boxed{x^2+2x}", "x^2+2x+1"),
+    ("\\boxed{\\frac{1}{3}}", "0.5"),
+    ("the answer is 7", "#### 8"),
+])
+def test_wrong_answers_score_zero(reward, completion, answer):
+    assert reward(completion, answer=answer) == 0.0
+
+
+@pytest.mark.parametrize("garbage", ["", "   ", "}{\\boxed{", "\\boxed{}", "\x00\x01\x02",
+                                     "$$$$", "\\frac{", None, 42])
+def test_garbage_scores_zero_without_raising(reward, garbage):
+    assert reward(garbage, answer="42") == 0.0
+
+
+def test_a_1mb_completion_is_scored_quickly(reward):
+    pad = "lorem ipsum " * (1_000_000 // 12)
+    start = time.monotonic()
+    assert reward(pad + "so \\boxed{42}", answer="42") == 1.0
+    assert reward(pad, answer="42") == 0.0
+    assert reward("\\boxed{42}" + pad, answer="42") == 1.0  # the last \boxed, not the tail
+    assert time.monotonic() - start < 5.0
+
+
+def test_a_pathological_completion_cannot_stall_past_the_timeout():
+    slow = MathReward(timeout=30.0)
+    assert slow.is_correct("\\boxed{1}", "1")  # start and warm up the helper, untimed
+    slow.timeout = 0.3
+    start = time.monotonic()
+    assert slow("\\boxed{9^{9^{9^{9}}}}", answer="1") == 0.0
+    assert time.monotonic() - start < 2.0
+    assert slow.timeouts == 1  # the helper was killed...
+    slow.timeout = 5.0
+    assert slow("\\boxed{7}", answer="7") == 1.0  # ...and a fresh one answers the next call
+    slow.close()
+
+
+def test_format_weight_rewards_a_boxed_answer(reward, monkeypatch):
+    monkeypatch.setattr(reward, "format_weight", 0.1)
+    assert reward("\\boxed{42}", answer="42") == pytest.approx(1.1)
+    assert reward("the answer is 42", answer="42") == pytest.approx(1.0)
+    assert reward("\\boxed{41}", answer="42") == pytest.approx(0.1)
+
+
+def test_fixture_solutions_score_one(reward):
+    for name, solution_key in (("math_mini.jsonl", "solution"), ("gsm8k_mini.jsonl", "answer")):
+        rows = [json.loads(line) for line in (DATA / name).read_text().splitlines()]
+        assert [reward(r[solution_key], answer=r["answer"]) for r in rows] == [1.0] * len(rows)
+
+
+def test_answer_window_and_reference_text():
+    long = "a" * 10_000 + "\\boxed{3} tail"
+    assert answer_window(long, 100).startswith("\\boxed{3}")
+    assert answer_window("b" * 10_000, 100) == "b" * 100
+    assert reference_text("Step... #### 1,234") == "$1234$"
+    assert reference_text("\\frac{1}{2}") == "$\\frac{1}{2}$"
+    assert reference_text("so \\boxed{5}") == "so \\boxed{5}"
