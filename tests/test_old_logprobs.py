@@ -26,7 +26,12 @@ class ForwardCounter:
                 self.no_grad += 1
             return real(*args, **kwargs)
 
+        import gspo.models
+
+        # the trainer's no-grad passes call its import; the update pass goes through
+        # gspo.distributed.Policy, which calls gspo.models.token_logprobs
         monkeypatch.setattr(trainer, "token_logprobs", counted)
+        monkeypatch.setattr(gspo.models, "token_logprobs", counted)
 
     def reset(self):
         self.no_grad = self.grad = 0

@@ -157,9 +157,11 @@ def _metrics(ratio: Tensor, ratio_mask: Tensor | None, low: Tensor, high: Tensor
         r = ratio.detach()
         if ratio_mask is not None:
             sel = ratio_mask > 0
-            r_mean = _masked(r, ratio_mask).sum() / ratio_mask.sum()
+            r_count = ratio_mask.sum()
+            r_mean = _masked(r, ratio_mask).sum() / r_count
             r_min, r_max = r[sel].min(), r[sel].max()
         else:
+            r_count = torch.tensor(float(r.numel()))
             r_mean, r_min, r_max = r.mean(), r.min(), r.max()
         frac_low, frac_high = _token_frac(low, mask), _token_frac(high, mask)
         return {
@@ -169,6 +171,7 @@ def _metrics(ratio: Tensor, ratio_mask: Tensor | None, low: Tensor, high: Tensor
             "ratio_mean": r_mean,
             "ratio_min": r_min,
             "ratio_max": r_max,
+            "ratio_count": r_count,  # what ratio_mean averages over: sequences or tokens
             "kl_old": _masked(old_logp - logp.detach(), mask).sum() / mask.sum(),
         }
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import logging
 import random
 import resource
@@ -33,6 +34,7 @@ import transformers
 from gspo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from gspo.config import Config, save_config
 from gspo.data import encode_prompts, score
+from gspo.distributed import Dist, init_distributed, no_sync, wrap_policy
 from gspo.evaluate import decode_responses, evaluate
 from gspo.logger import MetricsLogger
 from gspo.models import (build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer, load_model,
@@ -179,65 +181,82 @@ def moe_metrics(model, routing: RoutingRecorder, r: Rollouts, cfg: Config, micro
     return {f"moe/{k}": v for k, v in stats.items()}
 
 
-def update(model, optimizer, scheduler, r: Rollouts, old_logp, ref_logp, adv, cfg: Config,
-           gen: torch.Generator, replay: RoutingRecorder | None = None) -> dict[str, float]:
-    """`minibatches` optimiser steps over the rollout batch; returns averaged metrics.
+def update(run: "Run", r: Rollouts, old_logp, ref_logp, adv) -> dict[str, float]:
+    """`minibatches` optimiser steps over this rank's rollout rows; returns metrics reduced
+    over ranks (token-weighted means, global min / max).
 
-    replay: a RoutingRecorder holding pi_old's routing, to force it (Routing Replay)."""
+    Every loss is divided by the GLOBAL count of its minibatch (sequences, or tokens for
+    token-mean) and multiplied by the world size, so that DDP's gradient average over ranks of
+    the micro-batch sums is exactly the full-batch gradient. With algorithm.routing_replay the
+    forwards replay pi_old's recorded MoE routing."""
+    cfg, d = run.cfg, run.dist
     a = cfg.algorithm
     objective = OBJECTIVES[a.name]
     kwargs = {"eps_low": a.eps_low, "eps_high": a.eps_high}
     if a.name == "grpo":
         kwargs.update(aggregation=a.aggregation, max_len=cfg.rollout.max_new_tokens)
     token_mean = a.name == "grpo" and a.aggregation == "token-mean"
+    replay = run.routing if a.routing_replay else None
     B, T = r.response_ids.shape
     mb_size = B // a.minibatches
     micro = a.micro_batch_size or mb_size
     mask = r.response_mask
     sums: dict[str, float] = {}
-    weight_total = 0.0
+    lo, hi = float("inf"), float("-inf")
     grad_norms, losses = [], []
-    order = torch.randperm(B, generator=gen)
-    model.train()
+    order = torch.randperm(B, generator=run.gen)
+    run.model.train()
     for mb in order.split(mb_size):
-        # Global normaliser of this optimiser step: every micro-batch divides by the same count.
-        denom = mask[mb].sum() if token_mean else float(len(mb))
-        optimizer.zero_grad(set_to_none=True)
+        # the global normaliser of this optimiser step, shared by all its micro-batches
+        denom = d.sum([float(mask[mb].sum())])[0] if token_mean else float(len(mb) * d.world)
+        run.optimizer.zero_grad(set_to_none=True)
         mb_loss = 0.0
-        for idx in mb.split(micro):
-            with replay.replay(idx) if replay else contextlib.nullcontext():
-                logp = token_logprobs(model, r.input_ids[idx], r.attention_mask[idx], T,
-                                      cfg.rollout.temperature, cfg.model.logprob_chunk_size,
-                                      share_prompts=replay is None)
-            loss, metrics = objective(logp, old_logp[idx], adv[idx], mask[idx], denom=denom,
-                                      **kwargs)
-            if a.beta > 0:
-                loss = loss + a.beta * kl_k3(logp, ref_logp[idx], mask[idx]).sum() / len(mb)
-            if not torch.isfinite(loss):
-                raise TrainingError(f"non-finite loss {loss.item()} (metrics: "
-                                    f"{ {k: round(float(v), 4) for k, v in metrics.items()} }); "
-                                    f"lower optim.lr or check the rewards; the last finished "
-                                    f"checkpoint is kept")
-            loss.backward()
+        parts = mb.split(micro)
+        for i, idx in enumerate(parts):
+            with (replay.replay(idx) if replay else contextlib.nullcontext(),
+                  no_sync(run.policy, skip=i < len(parts) - 1)):
+                logp = run.policy(r.input_ids[idx], r.attention_mask[idx], T,
+                                  cfg.rollout.temperature, cfg.model.logprob_chunk_size,
+                                  share_prompts=replay is None)
+                loss, metrics = objective(logp, old_logp[idx], adv[idx], mask[idx],
+                                          denom=denom, **kwargs)
+                if a.beta > 0:
+                    loss = loss + a.beta * kl_k3(logp, ref_logp[idx], mask[idx]).sum() / (
+                        len(mb) * d.world)
+                _check_loss(loss, metrics, d)
+                (loss * d.world).backward()
             mb_loss += float(loss.detach())
+            # token fractions are weighted by tokens, ratio_mean by what it averages over
             w = float(mask[idx].sum())
+            lo, hi = min(lo, float(metrics.pop("ratio_min"))), max(hi, float(metrics.pop("ratio_max")))
+            n_ratio = float(metrics.pop("ratio_count"))
+            sums["ratio_mean"] = sums.get("ratio_mean", 0.0) + n_ratio * float(metrics.pop("ratio_mean"))
+            sums["_ratios"] = sums.get("_ratios", 0.0) + n_ratio
             for k, v in metrics.items():
-                if k == "ratio_min":
-                    sums[k] = min(sums.get(k, float("inf")), float(v))
-                elif k == "ratio_max":
-                    sums[k] = max(sums.get(k, float("-inf")), float(v))
-                else:
-                    sums[k] = sums.get(k, 0.0) + w * float(v)
-            weight_total += w
+                sums[k] = sums.get(k, 0.0) + w * float(v)
+            sums["_tokens"] = sums.get("_tokens", 0.0) + w
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        optimizer.step()
-        scheduler.step()
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)))
+        run.optimizer.step()
+        run.scheduler.step()
         losses.append(mb_loss)
-    out = {k: (v if k in ("ratio_min", "ratio_max") else v / weight_total) for k, v in sums.items()}
-    out["loss"] = sum(losses) / len(losses)
-    out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    keys = sorted(sums)
+    totals = dict(zip(keys, d.sum([sums[k] for k in keys])))
+    out = {k: totals[k] / totals["_tokens"] for k in keys if not k.startswith(("_", "ratio"))}
+    out["ratio_mean"] = totals["ratio_mean"] / totals["_ratios"]
+    out["ratio_min"], out["ratio_max"] = d.min_max(lo, hi)
+    out["loss"] = d.sum([sum(losses) / len(losses)])[0]  # the losses are global-normalised
+    out["grad_norm"] = sum(grad_norms) / len(grad_norms)  # after the all-reduce: the same on all
     return out
+
+
+def _check_loss(loss: torch.Tensor, metrics: dict, d: Dist) -> None:
+    """Stop on a non-finite loss on any rank (all ranks stop together, none hangs)."""
+    bad = d.sum([0.0 if torch.isfinite(loss) else 1.0])[0]
+    if bad:
+        raise TrainingError(f"non-finite loss {loss.item()} (metrics: "
+                            f"{ {k: round(float(v), 4) for k, v in metrics.items()} }); lower "
+                            f"optim.lr or check the rewards; the last finished checkpoint is kept")
 
 
 def _progress(it, desc: str, enabled: bool):
@@ -276,6 +295,8 @@ class Run:
     state: dict
     warmup_s: float
     micro: int
+    dist: Dist                               # rank / world size (1 without torchrun)
+    policy: torch.nn.Module                  # the model's log-prob forward, DDP-wrapped on >1 rank
 
 
 def make_engine(model, tokenizer, cfg: Config) -> RolloutEngine:
@@ -294,6 +315,10 @@ def make_engine(model, tokenizer, cfg: Config) -> RolloutEngine:
 def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
     """Build model, task, engine and optimiser; restore a checkpoint or run the warm-up."""
     t = cfg.train
+    d = init_distributed()
+    if cfg.rollout.prompts_per_step % d.world:
+        raise TrainingError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be "
+                            f"divisible by the {d.world} ranks (whole groups stay on one rank)")
     if not resume and latest_checkpoint(run_dir) is not None:
         raise TrainingError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
                             f"continue it or choose a new --output-dir")
@@ -302,7 +327,8 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
         raise TrainingError(f"--resume {run_dir}: no finished checkpoint found there")
     run_dir.mkdir(parents=True, exist_ok=True)
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar per save
-    save_config(cfg, run_dir / "config.yaml")
+    if d.is_main:
+        save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(t.seed)
 
     model, tokenizer = build_model(cfg)
@@ -333,20 +359,26 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
     gen = torch.Generator().manual_seed(t.seed)
     if "update_rng" in state:
         gen.set_state(state["update_rng"])
-    B = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    B = cfg.rollout.prompts_per_step * cfg.rollout.group_size // d.world  # this rank's rows
     return Run(cfg, run_dir, model, tokenizer, engine, optimizer, scheduler, train_rows,
                eval_rows, reward_fn, copy.deepcopy(model).eval() if a.beta > 0 else None,
                routing, rollout_routing, gen, int(state.get("step", 0)), state, warmup_s,
-               a.micro_batch_size or B // a.minibatches)
+               a.micro_batch_size or B // a.minibatches, d, wrap_policy(model, d))
 
 
 def run_eval(run: Run) -> dict[str, float]:
-    """Held-out avg@k and pass@k with the rollout engine (fixed seed: common random numbers)."""
-    t, r = run.cfg.train, run.cfg.rollout
-    res = evaluate(run.engine, run.tokenizer, run.eval_rows, run.reward_fn, t.eval_k,
+    """Held-out avg@k and pass@k with the rollout engine (fixed seed: common random numbers);
+    each rank evaluates its share of the problems and the means are reduced over ranks."""
+    t, r, d = run.cfg.train, run.cfg.rollout, run.dist
+    rows = run.eval_rows[d.rank::d.world]
+    res = evaluate(run.engine, run.tokenizer, rows, run.reward_fn, t.eval_k,
                    SamplingParams(t.eval_temperature, r.top_p, r.max_new_tokens),
-                   seed=t.seed + 999_983, system_prompt=run.cfg.data.system_prompt or None)
-    return {"eval/accuracy": res.avg_at_k, **{f"eval/pass@{k}": v for k, v in res.pass_at.items()}}
+                   seed=t.seed + 999_983 + d.rank, system_prompt=run.cfg.data.system_prompt or None)
+    ks = sorted(res.pass_at)
+    n = len(rows)
+    totals = d.sum([n, res.avg_at_k * n] + [res.pass_at[k] * n for k in ks])
+    return {"eval/accuracy": totals[1] / totals[0],
+            **{f"eval/pass@{k}": v / totals[0] for k, v in zip(ks, totals[2:])}}
 
 
 def generate(run: Run, rows: list[dict], step: int) -> Rollouts:
@@ -354,7 +386,7 @@ def generate(run: Run, rows: list[dict], step: int) -> Rollouts:
     r = run.cfg.rollout
     prompts = encode_prompts(run.tokenizer, rows, run.cfg.data.system_prompt or None)
     params = SamplingParams(r.temperature, r.top_p, r.max_new_tokens)
-    seed = run.cfg.train.seed * 7_919 + step
+    seed = run.cfg.train.seed * 7_919 + step + 1_000_003 * run.dist.rank
     if run.rollout_routing is None:
         return run.engine.generate(prompts, n=r.group_size, params=params, seed=seed)
     with run.rollout_routing.record_stream(len(prompts) * r.group_size):
@@ -394,8 +426,10 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     """One RL step: rollout -> rewards -> advantages -> pi_old -> minibatch updates."""
     cfg, t0 = run.cfg, time.perf_counter()
     G = cfg.rollout.group_size
-    # ---- rollout
+    # ---- rollout (this rank's share of the step's prompts)
     rows = step_prompts(run.train_rows, step, cfg.rollout.prompts_per_step, cfg.train.seed)
+    share = len(rows) // run.dist.world
+    rows = rows[run.dist.rank * share:(run.dist.rank + 1) * share]
     rollouts = generate(run, rows, step)
     texts = decode_responses(run.tokenizer, rollouts)
     t_rollout = time.perf_counter() - t0
@@ -416,24 +450,26 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     t_old = time.perf_counter() - t1
     # ---- minibatch updates
     t2 = time.perf_counter()
-    m = update(run.model, run.optimizer, run.scheduler, rollouts, old_logp, ref_logp, adv, cfg,
-               run.gen, replay=run.routing if cfg.algorithm.routing_replay else None)
+    m = update(run, rollouts, old_logp, ref_logp, adv)
     run.engine.load_weights(run.model.state_dict())
     t_update = time.perf_counter() - t2
     if run.routing:
         m.update(moe_metrics(run.model, run.routing, rollouts, cfg, run.micro))
-    # ---- metrics
+    # ---- metrics (sums over ranks, then divided)
     mask = rollouts.response_mask
-    n_tokens = float(mask.sum())
+    n, r_sum, r_sq, n_tokens, ent, failures = run.dist.sum([
+        len(rewards), float(rewards.sum()), float((rewards ** 2).sum()), float(mask.sum()),
+        float((entropy * mask).sum()), reward_failures])
+    r_mean = r_sum / n
+    r_std = math.sqrt(max(0.0, (r_sq - n * r_mean ** 2) / max(1.0, n - 1)))  # unbiased
     return {
-        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-        "reward/failures": reward_failures,
+        "reward/mean": r_mean, "reward/std": r_std, "reward/failures": int(failures),
         "loss": m["loss"], "clip/frac": m["clip_frac"], "clip/frac_low": m["clip_frac_low"],
         "clip/frac_high": m["clip_frac_high"], "ratio/mean": m["ratio_mean"],
         "ratio/min": m["ratio_min"], "ratio/max": m["ratio_max"], "kl/old": m["kl_old"],
-        "entropy": float((entropy * mask).sum() / n_tokens), "grad_norm": m["grad_norm"],
+        "entropy": ent / n_tokens, "grad_norm": m["grad_norm"],
         "lr": run.scheduler.get_last_lr()[0],
-        "response/len_mean": n_tokens / mask.shape[0],
+        "response/len_mean": n_tokens / n,
         "time/rollout_s": t_rollout, "time/old_logp_s": t_old, "time/update_s": t_update,
         "throughput/tokens_per_s": n_tokens / (time.perf_counter() - t0),
         **mismatch, **{k: v for k, v in m.items() if k.startswith("moe/")},
@@ -444,7 +480,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Summary:
     """Run warm-up (unless resuming) and `train.steps` RL steps; write everything to run_dir."""
     run = prepare(cfg, Path(run_dir), resume)
     t = cfg.train
-    logger = MetricsLogger(run.run_dir, tensorboard=t.tensorboard,
+    logger = MetricsLogger(run.run_dir, enabled=run.dist.is_main, tensorboard=t.tensorboard,
                            resume_from_step=run.start_step if resume else None)
     start_acc = run.state.get("start_accuracy")
     if not resume and t.eval_every > 0:
@@ -453,7 +489,8 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Summary:
         logger.log(0, first)
     final_acc = run.state.get("final_accuracy", start_acc)
     rl_t0 = time.perf_counter()
-    bar = _progress(range(run.start_step, t.steps), cfg.algorithm.name.upper(), t.progress)
+    bar = _progress(range(run.start_step, t.steps), cfg.algorithm.name.upper(),
+                    t.progress and run.dist.is_main)
     for step in bar:
         row = rl_step(run, step)
         done = step + 1
@@ -464,12 +501,14 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Summary:
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(reward=f"{row['reward/mean']:.2f}",
                             acc="-" if final_acc is None else f"{final_acc:.2f}")
-        if (t.save_every > 0 and done % t.save_every == 0) or done == t.steps:
+        if ((t.save_every > 0 and done % t.save_every == 0) or done == t.steps) and run.dist.is_main:
+            # DDP keeps every rank's weights and optimiser state identical: rank 0's are the run's
             save_checkpoint(run.run_dir, done, run.model, run.tokenizer, run.optimizer,
                             run.scheduler, {"step": done, "start_accuracy": start_acc,
                                             "final_accuracy": final_acc,
                                             "update_rng": run.gen.get_state()},
                             keep_last=t.keep_last)
+        run.dist.barrier()
     logger.close()
     return Summary(run.run_dir, start_acc, final_acc, run.warmup_s,
                    time.perf_counter() - rl_t0, _peak_rss_mb(), t.steps)

@@ -1,0 +1,55 @@
+"""Run by tests/test_distributed.py, under torchrun (N ranks) or alone (1 process): one
+optimiser step of gspo.trainer.update on a fixed global batch; rank 0 saves the parameters.
+
+    python tests/dist_update_worker.py OUT.pt key.sub=value ...
+"""
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from gspo.config import load_config
+from gspo.distributed import shutdown
+from gspo.rollout import Rollouts
+from gspo.trainer import prepare, update
+
+
+def fixed_batch(B: int, vocab: int, Lp: int = 5, T: int = 6) -> tuple[Rollouts, torch.Tensor]:
+    g = torch.Generator().manual_seed(123)
+    prompt_ids = torch.randint(4, vocab, (B, Lp), generator=g)
+    prompt_mask = torch.ones(B, Lp, dtype=torch.long)
+    prompt_mask[::3, :2] = 0  # some left padding
+    response_ids = torch.randint(4, vocab, (B, T), generator=g)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    response_mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    adv = torch.randn(B, generator=g)
+    return Rollouts(prompt_ids, prompt_mask, response_ids, response_mask, torch.zeros(B, T)), adv
+
+
+def main(out: str, overrides: list[str]) -> None:
+    cfg = load_config(overrides=overrides)
+    with tempfile.TemporaryDirectory() as d:
+        run = prepare(cfg, Path(d), resume=False)
+        B = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        full, adv = fixed_batch(B, len(run.tokenizer))
+        rows = slice(run.dist.rank * B // run.dist.world, (run.dist.rank + 1) * B // run.dist.world)
+        r = Rollouts(full.prompt_ids[rows], full.prompt_mask[rows], full.response_ids[rows],
+                     full.response_mask[rows], full.logp[rows])
+        # pi_old slightly off the current policy, so that ratios differ from 1
+        noise = 0.01 * torch.randn(full.response_ids.shape, generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            old_logp = run.policy(r.input_ids, r.attention_mask, r.response_ids.shape[1], 1.0,
+                                  1024) + noise[rows]
+        metrics = update(run, r, old_logp, None, adv[rows])
+        if run.dist.is_main:
+            # .grad still holds the (all-reduced) gradient the optimiser step used
+            grads = {k: p.grad.clone() for k, p in run.model.named_parameters()}
+            torch.save({"params": {k: v.detach().clone() for k, v in run.model.state_dict().items()},
+                        "grads": grads, "metrics": metrics}, out)
+        shutdown(run.dist)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
