@@ -53,7 +53,8 @@ def warm_model(seed: int, out: Path, common: list[str]) -> Path:
 
 
 def run_all(args) -> dict[str, dict[int, list[dict]]]:
-    common = ["train.progress=false", "train.tensorboard=false", f"warmup.steps={args.warmup}"]
+    common = ["train.progress=false", "train.tensorboard=false", f"warmup.steps={args.warmup}",
+              "rollout.prompts_per_step=16", "rollout.group_size=8", "optim.lr=1e-4"]
     rl = [f"train.steps={args.steps}", f"train.eval_every={args.eval_every}", "train.save_every=0",
           "train.keep_last=1", "warmup.steps=0", f"data.n_eval={args.n_eval}"]
     results: dict[str, dict[int, list[dict]]] = {v: {} for v in VARIANTS}
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
     table = summarise(results, args)
     (args.out / "moe_stability.json").write_text(json.dumps(
         {n: {str(s): rows for s, rows in r.items()} for n, r in results.items()}))
-    settings = (f"tiny Qwen3-MoE ({' '.join(MODEL[1:])}), warm-up {args.warmup} steps, "
+    settings = (f"16 prompts x 8 responses per step, lr 1e-4, tiny Qwen3-MoE ({' '.join(MODEL[1:])}), warm-up {args.warmup} steps, "
                 f"{args.steps} RL steps, seeds {args.seeds}, held-out n={args.n_eval} x 4 samples")
     images = "\n".join(f"![{title}](moe_{key.replace('/', '_')}.png)" for key, title in PLOTS)
     (args.out / "moe_stability.md").write_text(
