@@ -103,7 +103,7 @@ class RolloutConfig:
     vllm_gpu_memory_utilization: float = _f(0.3, "vllm only: fraction of GPU memory for vLLM "
                                             "(colocated with training)")
     group_size: int = _f(8, "G: responses sampled per prompt")
-    prompts_per_step: int = _f(16, "prompts per RL step; the rollout batch is prompts_per_step*G")
+    prompts_per_step: int = _f(32, "prompts per RL step; the rollout batch is prompts_per_step*G")
     temperature: float = _f(1.0, "sampling temperature (also applied to the training log-probs)")
     top_p: float = _f(1.0, "nucleus sampling threshold")
     max_new_tokens: int = _f(8, "maximum response length in tokens")
@@ -160,7 +160,7 @@ class WarmupConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = _f(400, "RL steps (one rollout batch each)")
+    steps: int = _f(250, "RL steps (one rollout batch each)")
     seed: int = _f(0, "seed of model init, sampling and data order")
     eval_every: int = _f(50, "held-out evaluation every N RL steps (and at step 0); 0 = never")
     eval_k: int = _f(4, "samples per held-out problem (accuracy is avg@k)")
