@@ -215,3 +215,82 @@ def test_logprobs_from_hidden_with_bias_matches_dense_reference():
     ref = torch.log_softmax((hidden @ weight.T + bias) / 2.0, -1)  # (2, 3, 11)
     torch.testing.assert_close(logp, ref.gather(-1, targets[..., None]).squeeze(-1))
     torch.testing.assert_close(entropy, -(ref.exp() * ref).sum(-1))
+
+
+# --- fast paths: the same function, less work ----------------------------------------------------
+
+
+def _grouped_batch(tok, G=3, n_response=6):
+    """Two prompts (left-padded, different lengths), G responses each of different lengths."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, len(tok), (5,), generator=g), torch.randint(4, len(tok), (3,), generator=g)]
+    ids, mask = [], []
+    for p in prompts:
+        for j in range(G):
+            n = n_response - j  # responses end at different lengths
+            resp = torch.randint(4, len(tok), (n_response,), generator=g)
+            resp[n:] = tok.pad_token_id
+            row = torch.cat([torch.full((5 - len(p),), tok.pad_token_id), p, resp])
+            ids.append(row)
+            mask.append(torch.cat([torch.zeros(5 - len(p)), torch.ones(len(p)), torch.ones(n), torch.zeros(n_response - n)]))
+    return torch.stack(ids), torch.stack(mask).long()
+
+
+def _value_and_grads(model, ids, mask, n, **kw):
+    model.zero_grad()
+    logp, entropy = token_logprobs(model, ids, mask, n, 0.8, chunk_size=4, with_entropy=True, **kw)
+    valid = mask[:, -n:].float()
+    B, T = valid.shape
+    weights = (0.5 + 0.1 * torch.arange(T)[None] + 0.2 * torch.arange(B)[:, None]) * valid
+    ((logp + 0.1 * entropy) * weights).sum().backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    return logp.detach() * valid, entropy.detach() * valid, grads
+
+
+def test_shared_prompt_forward_equals_one_plain_forward_in_values_and_gradients(tok, model):
+    ids, mask = _grouped_batch(tok)
+    shared = _value_and_grads(model, ids, mask, 6)
+    plain = _value_and_grads(model, ids, mask, 6, share_prompts=False)
+    torch.testing.assert_close(shared[0], plain[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared[1], plain[1], atol=1e-5, rtol=0)
+    for k in plain[2]:
+        torch.testing.assert_close(shared[2][k], plain[2][k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_padding_columns_past_the_longest_response_change_nothing(tok, model):
+    ids, mask = _grouped_batch(tok, n_response=4)
+    pad = torch.full((ids.shape[0], 3), tok.pad_token_id)
+    wide_ids, wide_mask = torch.cat([ids, pad], 1), torch.cat([mask, torch.zeros_like(pad)], 1)
+    narrow = _value_and_grads(model, ids, mask, 4)
+    wide = _value_and_grads(model, wide_ids, wide_mask, 7)
+    torch.testing.assert_close(wide[0][:, :4], narrow[0], atol=1e-6, rtol=0)
+    assert (wide[0][:, 4:] == 0).all() and (wide[1][:, 4:] == 0).all()
+    for k in narrow[2]:
+        torch.testing.assert_close(wide[2][k], narrow[2][k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("with_entropy, entropy_weight", [(False, 0.0), (True, 0.0), (True, 0.3)])
+def test_chunked_logprob_backward_equals_dense_autograd(with_entropy, entropy_weight):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, 8, generator=g, requires_grad=True)  # (B, T, H)
+    weight = torch.randn(13, 8, generator=g, requires_grad=True)  # (V, H)
+    bias = torch.randn(13, generator=g, requires_grad=True)
+    targets = torch.randint(0, 13, (2, 5), generator=g)
+    w_logp, w_ent = torch.randn(2, 5, generator=g), torch.randn(2, 5, generator=g)
+
+    def loss(logp, entropy=None):
+        out = (logp * w_logp).sum()
+        return out if entropy is None else out + entropy_weight * (entropy * w_ent).sum()
+
+    def grads(value):
+        return torch.autograd.grad(value, (hidden, weight, bias))
+
+    out = logprobs_from_hidden(hidden, weight, targets, 1.7, chunk_size=3, bias=bias, with_entropy=with_entropy)
+    ours = grads(loss(*out) if with_entropy else loss(out))
+    ref_all = torch.log_softmax((hidden @ weight.T + bias) / 1.7, -1)  # (B, T, V)
+    ref_logp = ref_all.gather(-1, targets[..., None]).squeeze(-1)
+    ref_ent = -(ref_all.exp() * ref_all).sum(-1)
+    ref = grads(loss(ref_logp, ref_ent if with_entropy else None))
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gspo.models import build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer, token_logprobs
-from gspo.rollout import HFEngine, Rollouts, SamplingParams, left_pad, top_p_filter
+from gspo.rollout import FastDecoder, HFEngine, Rollouts, SamplingParams, left_pad, sample_next, top_p_filter
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +179,62 @@ def test_load_weights_is_noop_for_own_weights_and_copies_others(tok, model, prom
     params = SamplingParams(max_new_tokens=6)
     expected = HFEngine(other).generate(prompts, 2, params, seed=1).response_ids
     assert torch.equal(engine.generate(prompts, 2, params, seed=1).response_ids, expected)
+
+
+# --- the fast path: same rollouts as the plain loop ----------------------------------------------
+
+
+def _tiny_llama_family(tok, kind):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
+                  eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common)).eval()
+    return Qwen2ForCausalLM(Qwen2Config(**common)).eval()  # q/k/v with biases
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "llama", "qwen2"])
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.8, 0.9), (0.0, 1.0)])
+def test_fast_decode_equals_plain_loop(tok, model, prompts, arch, temperature, top_p):
+    if arch == "qwen3":
+        m = model
+    elif arch == "qwen3_moe":
+        m = build_tiny_qwen3_moe(tok, hidden_size=32, num_heads=2, num_kv_heads=1, moe_intermediate_size=16)
+    else:
+        m = _tiny_llama_family(tok, arch)
+    # eos made likely, so rows stop at different steps and the fast path drops finished rows
+    m = with_eos_bias(m, tok.eos_token_id, bias=2.0)
+    assert FastDecoder.supports(m)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=12)
+    fast = HFEngine(m, eos_token_ids=[tok.eos_token_id]).generate(prompts, 4, params, seed=3)
+    plain = HFEngine(m, eos_token_ids=[tok.eos_token_id], fast=False).generate(prompts, 4, params, seed=3)
+    assert torch.equal(fast.response_ids, plain.response_ids)
+    assert torch.equal(fast.response_mask, plain.response_mask)
+    torch.testing.assert_close(fast.logp, plain.logp, atol=1e-5, rtol=0)
+    if temperature > 0:
+        assert 1 < len(set(fast.response_lengths.tolist()))
+
+
+def test_fast_decode_keeps_every_row_in_every_forward_when_hooks_watch(tok, model, prompts):
+    seen = []
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda mod, a, out: seen.append(a[0].shape[0]))
+    try:
+        r = HFEngine(model).generate(prompts, 3, SamplingParams(max_new_tokens=5), seed=0)
+    finally:
+        handle.remove()
+    B = len(prompts) * 3
+    assert seen and all(n == B for n in seen)  # no shared prefill, no dropped rows
+    plain = HFEngine(model, fast=False).generate(prompts, 3, SamplingParams(max_new_tokens=5), seed=0)
+    assert torch.equal(r.response_ids, plain.response_ids)
+
+
+def test_sampler_draws_from_the_softmax_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]]).expand(20000, 4)  # (B, V)
+    u = torch.rand(20000, generator=torch.Generator().manual_seed(0))
+    token, logp = sample_next(logits, SamplingParams(temperature=1.0), u)
+    freq = torch.bincount(token, minlength=4).float() / len(token)
+    torch.testing.assert_close(freq, logits[0].softmax(-1), atol=0.01, rtol=0)
+    torch.testing.assert_close(logp, logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1))

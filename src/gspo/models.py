@@ -223,15 +223,23 @@ def _chunk_logits(h, weight, bias, temperature: float) -> torch.Tensor:
 
 
 def _chunk_stats(h, weight, bias, targets, temperature: float, with_entropy: bool):
-    """logp (N,), entropy (N,) or None, and lse (N,) of one chunk; at most two (N, V) blocks live."""
+    """logp (N,), entropy (N,) or None, and lse (N,) of one chunk of positions.
+
+    In place where it can be: logp alone holds one (N, V) float32 block, with entropy two.
+    """
     z = _chunk_logits(h, weight, bias, temperature)  # (N, V)
-    lse = torch.logsumexp(z, dim=-1)  # (N,)
-    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse  # (N,)
+    z_y = z.gather(-1, targets[:, None]).squeeze(-1)  # (N,)
+    m = z.amax(-1, keepdim=True)  # (N, 1)
+    z.sub_(m)  # z - max, so exp cannot overflow
     if not with_entropy:
-        return logp, None, lse
-    # H = lse - sum_v p_v z_v, with p = exp(z - lse) computed in place of a second block
-    zp = (z - lse[:, None]).exp_().mul_(z).sum(-1)  # (N,)
-    return logp, lse - zp, lse
+        lse = z.exp_().sum(-1).log_() + m[:, 0]  # z's block now holds exp(z - max)
+        return z_y - lse, None, lse
+    e = z.exp()  # (N, V), the second block
+    s = e.sum(-1)  # (N,)
+    lse = s.log() + m[:, 0]
+    # H = lse - sum_v p_v z_v = log s - sum_v e_v (z_v - max) / s
+    entropy = s.log() - e.mul_(z).sum(-1) / s
+    return z_y - lse, entropy, lse
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -296,6 +304,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 grad_w.addmm_(grad_z.t(), h.float())  # (V, H)
             if need_b:
                 grad_b += grad_z.sum(0)
+            del z, p, ent_term, logp_term, grad_z  # free this block before the next is made
         cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
         return (grad_h, cast(grad_w, weight), None if bias is None else cast(grad_b, bias),
                 None, None, None, None)
@@ -350,21 +359,29 @@ def token_logprobs(
 
     input_ids (B, L) is a left-padded prompt followed by a right-padded response; attention_mask
     (B, L) marks real tokens. Positions are counted from each row's first real token. Values at
-    masked response positions are computed but meaningless: callers mask them. Gradients flow.
-    Returns logp (B, n_response) [, entropy (B, n_response)]. share_prompts=False forces one
+    masked response positions are meaningless (0 past the longest response): callers mask them.
+    Gradients flow. Returns logp (B, n_response) [, entropy (B, n_response)]. share_prompts=False forces one
     plain forward over all (B, L) positions (MoE routing record/replay needs exactly that).
     """
-    hidden = decoder_hidden(model, input_ids, attention_mask, n_response, share_prompts)  # (B, T, H)
+    # Columns past the longest response are padding in every row: not computed, returned as 0.
+    T = max(1, int(attention_mask[:, input_ids.shape[1] - n_response:].sum(-1).max()))
+    cut = n_response - T
+    if cut:
+        input_ids, attention_mask = input_ids[:, :-cut], attention_mask[:, :-cut]
+    hidden = decoder_hidden(model, input_ids, attention_mask, T, share_prompts)  # (B, T, H)
     head = model.get_output_embeddings()
-    return logprobs_from_hidden(
+    out = logprobs_from_hidden(
         hidden,
         head.weight,
-        input_ids[:, -n_response:],
+        input_ids[:, -T:],
         temperature=temperature,
         chunk_size=chunk_size,
         bias=getattr(head, "bias", None),
         with_entropy=with_entropy,
     )
+    if cut:  # (B, n_response) again
+        out = tuple(F.pad(x, (0, cut)) for x in out) if with_entropy else F.pad(out, (0, cut))
+    return out
 
 
 def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_response: int,

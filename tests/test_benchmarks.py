@@ -1,0 +1,66 @@
+"""Each benchmark script runs end to end at a minimal setting (they are scripts, not tests: the
+numbers are not checked, only that the script works and prints its table)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+TINY = ["--hidden-size", "32", "--num-heads", "2", "--num-kv-heads", "1", "--intermediate-size", "64"]
+
+
+def run(script: str, *args: str, tmp_path: Path) -> dict:
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args, "--threads", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "|---" in proc.stdout  # the table
+    return json.loads(out.read_text())
+
+
+def test_generation_benchmark_runs(tmp_path):
+    res = run("generation.py", "--prompts", "2", "--group-size", "2", "--max-new-tokens", "3",
+              "--num-layers", "1", "--repeats", "1", *TINY, tmp_path=tmp_path)
+    assert {r["system"] for r in res["rows"]} == {"hf engine", "hf engine, plain loop", "model.generate"}
+    assert all(r["tokens_per_s"] > 0 for r in res["rows"])
+
+
+def test_logprobs_benchmark_runs_and_agrees_with_naive(tmp_path):
+    res = run("logprobs.py", "--vocab", "500", "--lengths", "24", "--hidden-size", "16",
+              "--chunk-size", "8", tmp_path=tmp_path)
+    assert [r["T"] for r in res["rows"]] == [24]
+    assert all(r["same"] == "yes" for r in res["rows"])
+
+
+def test_scaling_benchmark_runs_and_counts_update_flops(tmp_path):
+    res = run("scaling.py", "--lengths", "2,3", "--groups", "2", "--widths", "32",
+              "--base-length", "3", "--base-group", "2", "--base-width", "32", "--prompts", "2",
+              "--layers", "1", "--steps", "2", "--flops-width", "32", tmp_path=tmp_path)
+    assert [r["T"] for r in res["sweeps"]["T"]] == [2, 3]
+    assert res["matmul"]["update_gflop"] > 0 and res["gemm_gflops"] > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None,
+                    reason="TRL is not installed (pip install -e '.[bench]')")
+def test_vs_trl_benchmark_runs(tmp_path):
+    res = run("vs_trl.py", "--steps", "1", "--repeats", "1", "--prompts", "2", "--group-size", "2",
+              "--max-new-tokens", "3", "--num-layers", "1", "--systems", "gspo,trl", "--no-flops",
+              *TINY, tmp_path=tmp_path)
+    systems = {r["system"] for r in res["rows"]}
+    assert {"gspo", "trl", "gspo / trl"} <= systems
+    assert all(r["completions"] == 4 for runs in res["runs"].values() for r in runs)
+
+
+def test_old_logprobs_benchmark_runs():
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "old_logprobs.py"), "--steps", "1", "--repeats", "1",
+         "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
+         "model.intermediate_size=64", "rollout.prompts_per_step=2", "rollout.group_size=2",
+         "rollout.max_new_tokens=3", "data.n_train=50", "data.n_eval=4"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ratio rollout/recompute" in proc.stdout
