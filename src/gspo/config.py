@@ -160,7 +160,7 @@ class WarmupConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = _f(250, "RL steps (one rollout batch each)")
+    steps: int = _f(400, "RL steps (one rollout batch each)")
     seed: int = _f(0, "seed of model init, sampling and data order")
     eval_every: int = _f(50, "held-out evaluation every N RL steps (and at step 0); 0 = never")
     eval_k: int = _f(4, "samples per held-out problem (accuracy is avg@k)")
