@@ -56,10 +56,24 @@ def train_main(argv: list[str]) -> int:
             run_dir = Path(args.output_dir or
                            f"runs/{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         summary = train(cfg, run_dir, resume=bool(args.resume))
+        _leave_process_group(wait=True)
     except (ConfigError, ModelLoadError, TrainingError) as e:
+        _leave_process_group(wait=False)
         return _fail(str(e))
     print_summary(summary)
     return 0
+
+
+def _leave_process_group(wait: bool) -> None:
+    """Under torchrun, leave the process group before exiting. After a finished run all ranks
+    meet first, so none tears the communicator down while another still uses it; after an
+    error they do not wait (another rank may never arrive)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if wait:
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 def print_summary(s) -> None:
