@@ -106,6 +106,19 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
+def right_pad(seqs: list[list], pad, dtype: torch.dtype = torch.long, min_len: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack lists into right-padded values (B, T) and a float mask (B, T), T >= min_len."""
+    T = max(min_len, max(len(s) for s in seqs))
+    out = torch.full((len(seqs), T), pad, dtype=dtype)  # (B, T)
+    mask = torch.zeros(len(seqs), T)  # (B, T)
+    for i, s in enumerate(seqs):
+        if s:
+            out[i, :len(s)] = torch.tensor(s, dtype=dtype)
+            mask[i, :len(s)] = 1
+    return out, mask
+
+
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Set to -inf the logits outside the nucleus; the most likely token is always kept."""
     if top_p >= 1.0:

@@ -42,7 +42,8 @@ from gspo.models import (build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer
 from gspo.moe import RoutingRecorder, expert_volatility, is_moe, load_stats
 from gspo.objectives import (OBJECTIVES, engine_mismatch, group_advantages, kl_k3,
                              truncated_is_weights)
-from gspo.rollout import HFEngine, RolloutEngine, Rollouts, SamplingParams, left_pad
+from gspo.rollout import (HFEngine, RolloutEngine, Rollouts, SamplingParams, left_pad,
+                          right_pad)
 from gspo.tasks import build_task
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ def warmup(model, tokenizer, rows: list[dict], solution, cfg: Config) -> float:
                                                           cfg.data.system_prompt or None),
                                            tokenizer.pad_token_id)
         answers = [tokenizer.encode(solution(r), add_special_tokens=False) + [eos] for r in batch]
-        resp_ids, resp_mask = _right_pad(answers, tokenizer.pad_token_id)
+        resp_ids, resp_mask = right_pad(answers, tokenizer.pad_token_id)
         input_ids = torch.cat([prompt_ids, resp_ids], 1)
         attn = torch.cat([prompt_mask, resp_mask.long()], 1)
         logp = token_logprobs(model, input_ids, attn, resp_ids.shape[1],
@@ -131,16 +132,6 @@ def warmup(model, tokenizer, rows: list[dict], solution, cfg: Config) -> float:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         opt.step()
     return float(loss.detach())
-
-
-def _right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)  # (B, T)
-    mask = torch.zeros(len(seqs), T)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s)
-        mask[i, :len(s)] = 1
-    return ids, mask
 
 
 # --------------------------------------------------------------------------------------------

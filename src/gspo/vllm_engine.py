@@ -22,7 +22,7 @@ import tempfile
 
 import torch
 
-from gspo.rollout import Rollouts, SamplingParams, left_pad
+from gspo.rollout import Rollouts, SamplingParams, left_pad, right_pad
 
 
 def vllm_available() -> bool:
@@ -88,13 +88,7 @@ def to_rollouts(prompts: list[list[int]], responses: list[list[int]], logps: lis
                 pad_id: int) -> Rollouts:
     """Pad per-row prompt / response / log-prob lists into a Rollouts batch."""
     prompt_ids, prompt_mask = left_pad(prompts, pad_id)  # (B, Lp)
-    T = max(1, max(len(r) for r in responses))
-    response_ids = torch.full((len(responses), T), pad_id, dtype=torch.long)  # (B, T)
-    response_mask = torch.zeros(len(responses), T)
-    logp = torch.zeros(len(responses), T)
-    for i, (r, lp) in enumerate(zip(responses, logps, strict=True)):
-        response_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        response_mask[i, :len(r)] = 1
-        logp[i, :len(r)] = torch.tensor(lp)
+    response_ids, response_mask = right_pad(responses, pad_id, min_len=1)  # (B, T)
+    logp, _ = right_pad(logps, 0.0, dtype=torch.float32, min_len=1)  # (B, T)
     return Rollouts(prompt_ids, prompt_mask, response_ids, response_mask, logp)
 
