@@ -108,8 +108,8 @@ def gspo_worker(a) -> dict:
 
     build_model = trainer.build_model
 
-    def timed_build(cfg):
-        out = build_model(cfg)
+    def timed_build(cfg, *args):
+        out = build_model(cfg, *args)
         marks["built"].append(time.perf_counter())
         return out
 

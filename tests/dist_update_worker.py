@@ -11,9 +11,15 @@ from pathlib import Path
 import torch
 
 from gspo.config import load_config
-from gspo.distributed import shutdown
+from gspo.distributed import as_local, full_weights, shutdown
 from gspo.rollout import Rollouts
 from gspo.trainer import prepare, update
+
+
+def digit_fraction(completion: str, **_) -> float:
+    """A dense reward a random tiny model earns (data.reward=tests/dist_update_worker.py:digit_fraction),
+    so that RL steps under torchrun really move the weights."""
+    return sum(c.isdigit() for c in completion) / max(1, len(completion))
 
 
 def fixed_batch(B: int, vocab: int, Lp: int = 5, T: int = 6) -> tuple[Rollouts, torch.Tensor]:
@@ -43,11 +49,13 @@ def main(out: str, overrides: list[str]) -> None:
             old_logp = run.policy(r.input_ids, r.attention_mask, r.response_ids.shape[1], 1.0,
                                   1024) + noise[rows]
         metrics = update(run, r, old_logp, None, adv[rows])
+        # .grad still holds the (reduced) gradient the optimiser step used; sharded under FSDP,
+        # so gathered (a collective) on every rank
+        grads = {k: as_local(p.grad).clone() for k, p in run.model.named_parameters()}
+        params = {k: v.detach().clone() for k, v in full_weights(run.policy, run.model).items()}
         if run.dist.is_main:
-            # .grad still holds the (all-reduced) gradient the optimiser step used
-            grads = {k: p.grad.clone() for k, p in run.model.named_parameters()}
-            torch.save({"params": {k: v.detach().clone() for k, v in run.model.state_dict().items()},
-                        "grads": grads, "metrics": metrics}, out)
+            torch.save({"params": params, "grads": grads, "metrics": metrics,
+                        "sharded": type(run.model.lm_head.weight).__name__ == "DTensor"}, out)
         shutdown(run.dist)
 
 

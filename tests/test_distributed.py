@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gspo.distributed import Dist
 from gspo.logger import read_metrics
 
 WORKER = Path(__file__).with_name("dist_update_worker.py")
@@ -27,15 +28,18 @@ def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.Completed
     return out
 
 
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
 @pytest.mark.parametrize("aggregation", [["algorithm=gspo"],
                                          ["algorithm=grpo", "algorithm.aggregation=token-mean"]])
-def test_two_ranks_give_the_single_process_update(tmp_path, aggregation):
+def test_two_ranks_give_the_single_process_update(tmp_path, aggregation, mode):
     # 16 sequences, one optimiser step; 2 ranks x 4 micro-batches of 2 vs 1 process x 1 batch
     common = MODEL + aggregation + ["rollout.prompts_per_step=4", "rollout.group_size=4",
                                     "algorithm.minibatches=1"]
     torchrun(1, str(WORKER), str(tmp_path / "one.pt"), *common)
-    torchrun(2, str(WORKER), str(tmp_path / "two.pt"), *common, "algorithm.micro_batch_size=2")
+    torchrun(2, str(WORKER), str(tmp_path / "two.pt"), *common, "algorithm.micro_batch_size=2",
+             f"train.data_parallel={mode}")
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert two["sharded"] == (mode == "fsdp") and not one["sharded"]
     for k, v in one["params"].items():
         torch.testing.assert_close(two["params"][k], v, rtol=0, atol=1e-5, msg=k)
     # Adam's first step barely depends on the gradient's scale: compare the gradients too
@@ -69,3 +73,114 @@ def test_prompts_not_divisible_by_ranks_is_a_clear_error(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode != 0 and "divisible by the 2 ranks" in out.stderr
+
+
+def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return load_file(ckpt / "model.safetensors")
+
+
+def test_fsdp_checkpoint_resumes_exactly_under_fsdp_and_ddp(tmp_path):
+    # an uninterrupted 2-rank FSDP run vs the same run resumed from its step-1 checkpoint, once
+    # sharded again (the gathered optimiser state scattered back) and once under DDP
+    import shutil
+    args = MODEL + ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=4",
+                    "train.steps=2", "train.eval_every=0", "train.save_every=1", "train.keep_last=0",
+                    "optim.lr=3e-3", "algorithm.minibatches=2", f"data.reward={WORKER}:digit_fraction"]
+    full = tmp_path / "full"
+    torchrun(2, "-m", "gspo", "train", "--output-dir", str(full), *args, "train.data_parallel=fsdp")
+    ref = read_metrics(full)
+    assert [r["step"] for r in ref] == [1, 2]
+    for mode in ("fsdp", "ddp"):
+        run = tmp_path / mode
+        shutil.copytree(full, run)
+        shutil.rmtree(run / "checkpoints" / "step_000002")
+        (run / "checkpoints" / "latest").write_text("step_000001\n")
+        torchrun(2, "-m", "gspo", "train", "--resume", str(run), *args,
+                 f"train.data_parallel={mode}")
+        rows = read_metrics(run)
+        assert [r["step"] for r in rows] == [1, 2]
+        for k in ("reward/mean", "loss", "grad_norm", "clip/frac", "ratio/mean", "kl/old"):
+            assert rows[1][k] == pytest.approx(ref[1][k], rel=1e-4, abs=1e-6), (mode, k)
+        want = _weights(full / "checkpoints" / "step_000002")
+        got = _weights(run / "checkpoints" / "step_000002")
+        assert set(got) == set(want)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-6, msg=k)
+    # the step-2 update moved the weights by far more than that tolerance
+    moved = _weights(full / "checkpoints" / "step_000001")
+    assert max(float((want[k] - moved[k]).abs().max()) for k in want) > 1e-3
+
+
+class TwoRanks(Dist):
+    """Rank 1 of a simulated 2-rank group: each collective combines this rank's values with
+    what rank 0 passed to the same call (recorded by a world-1 run of the same code)."""
+
+    def __init__(self, rank0_calls: list):
+        super().__init__(rank=1, world=2)
+        object.__setattr__(self, "rank0", iter(rank0_calls))
+
+    def sum(self, values):
+        return [a + b for a, b in zip(next(self.rank0), values, strict=True)]
+
+    def max(self, values):
+        return [max(a, b) for a, b in zip(next(self.rank0), values, strict=True)]
+
+
+class Recording(Dist):
+    def __init__(self):
+        super().__init__()
+        object.__setattr__(self, "calls", [])
+
+    def sum(self, values):
+        self.calls.append(list(values))
+        return list(values)
+
+    max = sum
+
+
+def test_mismatch_metrics_reduced_over_ranks_equal_the_whole_batch():
+    from gspo.objectives import engine_mismatch
+    from gspo.rollout import Rollouts
+    from gspo.trainer import reduce_mismatch
+    g = torch.Generator().manual_seed(0)
+    B, T = 10, 7
+    logp, rollout_logp = -torch.rand(B, T, generator=g), -torch.rand(B, T, generator=g)
+    lengths = torch.tensor([7, 1, 3, 2, 7, 5, 1, 4, 6, 2])
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    whole = {k: float(v) for k, v in engine_mismatch(logp, rollout_logp, mask).items()}
+    halves = []
+    for rows in (slice(0, 3), slice(3, B)):  # unequal shares, so a mean of means is wrong
+        n = mask[rows].shape[0]
+        r = Rollouts(torch.ones(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.long),
+                     torch.zeros_like(mask[rows], dtype=torch.long), mask[rows], rollout_logp[rows])
+        halves.append((r, {k: float(v) for k, v in
+                           engine_mismatch(logp[rows], rollout_logp[rows], mask[rows]).items()}))
+    rec = Recording()
+    reduce_mismatch(halves[0][1], halves[0][0], rec)
+    got = reduce_mismatch(halves[1][1], halves[1][0], TwoRanks(rec.calls))
+    assert got == pytest.approx(whole, rel=1e-6)
+    naive = (halves[0][1]["token_abs_mean"] + halves[1][1]["token_abs_mean"]) / 2
+    assert naive != pytest.approx(whole["token_abs_mean"], rel=1e-3)
+
+
+def test_expert_counts_add_over_ranks_to_the_whole_batch_load():
+    from gspo.moe import expert_counts, load_stats, load_summary
+    g = torch.Generator().manual_seed(0)
+    idx = [torch.randint(0, 6, (8, 5, 2), generator=g) for _ in range(3)]  # 3 layers, top-2 of 6
+    mask = (torch.rand(8, 5, generator=g) > 0.3).float()
+    parts = [expert_counts([i[rows] for i in idx], mask[rows], 6)
+             for rows in (slice(0, 2), slice(2, 8))]
+    assert load_summary(parts[0] + parts[1]) == pytest.approx(load_stats(idx, mask, 6))
+
+
+@pytest.mark.parametrize("spec, message", [("cuda", "no CUDA device"), ("cuda:1", "no CUDA device"),
+                                           ("tpu", "not a device"), ("meta", "only cpu and cuda")])
+def test_a_device_this_machine_lacks_is_a_clear_error(spec, message):
+    from gspo.config import ConfigError
+    from gspo.distributed import resolve_device
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ConfigError, match=message):
+        resolve_device(spec)
+    assert resolve_device("auto") == torch.device("cpu") == resolve_device("cpu")

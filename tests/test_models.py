@@ -270,6 +270,36 @@ def test_padding_columns_past_the_longest_response_change_nothing(tok, model):
         torch.testing.assert_close(wide[2][k], narrow[2][k], atol=1e-6, rtol=1e-5, msg=k)
 
 
+@pytest.mark.parametrize("others", [(0, 0), (2, 0), (0, 1), (3, 1)])
+@pytest.mark.parametrize("distinct", [False, True])
+def test_lockstep_paths_of_a_sharded_model_compute_the_same_function(tok, model, others, distinct):
+    # under FSDP another rank may need more columns (others[0] more) or cannot share prompts
+    # (others[1] = 1); all-distinct prompts then still take the prompt-then-response path
+    ids, mask = _grouped_batch(tok, G=1 if distinct else 3, n_response=4)
+    pad = torch.full((ids.shape[0], 3), tok.pad_token_id)
+    ids, mask = torch.cat([ids, pad], 1), torch.cat([mask, torch.zeros_like(pad)], 1)
+    calls = []
+
+    def sync_max(values):  # what the max over ranks would return
+        calls.append(values)
+        return [max(values[0], min(7, values[0] + others[0])), max(values[1], others[1])]
+
+    alone = _value_and_grads(model, ids, mask, 7, share_prompts=False)
+    layer_calls = []
+    hook = model.model.layers[0].register_forward_hook(lambda m, a, o: layer_calls.append(1))
+    try:
+        synced = _value_and_grads(model, ids, mask, 7, sync_max=sync_max)
+    finally:
+        hook.remove()
+    assert calls and calls[0] == [4, 0]  # 4 real response columns; prompts can be shared
+    # the same decoder calls whatever this rank's prompts: prompts then responses, or one pass
+    assert len(layer_calls) == (1 if others[1] else 2)
+    torch.testing.assert_close(synced[0], alone[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(synced[1], alone[1], atol=1e-5, rtol=0)
+    for k in alone[2]:
+        torch.testing.assert_close(synced[2][k], alone[2][k], atol=1e-5, rtol=1e-4, msg=k)
+
+
 @pytest.mark.parametrize("with_entropy, entropy_weight", [(False, 0.0), (True, 0.0), (True, 0.3)])
 def test_chunked_logprob_backward_equals_dense_autograd(with_entropy, entropy_weight):
     g = torch.Generator().manual_seed(0)

@@ -146,7 +146,7 @@ def test_moe_rollout_routing_is_recorded_for_replay(tmp_path, tiny_overrides):
     r = trainer.generate(run, rows, 0)
     streamed = run.rollout_routing.indices("old")
     run.routing.allocate("full", r.input_ids.shape[0], r.input_ids.shape[1] - 1)
-    trainer.policy_logprobs(run.model, r, 1.0, run.micro, 1024,
+    trainer.policy_logprobs(run.policy, r, 1.0, run.micro, 1024,
                             route=lambda rows: run.routing.record(rows, store="full"))
     mask = r.attention_mask[:, :-1] > 0  # real tokens of the decoder input
     for s, f in zip(streamed, run.routing.indices("full")):

@@ -12,8 +12,9 @@ worst a hidden `.tmp-*` / `.trash-*` / `.old-*` dir, which the next save cleans 
 dir is a finished checkpoint moved aside while the same step was re-saved; it is renamed back
 if the re-save never landed). `checkpoints/latest` names the most recently written checkpoint.
 
-Scope: the caller passes full (unsharded) state, on one process. Under FSDP, rank 0 must hold
-gathered weights and optimizer state before calling `save_checkpoint`.
+Scope: the caller passes full (unsharded) state, on one process. Under FSDP, rank 0 passes
+the gathered weights and optimizer state (`weights=`, `optimizer_state=`; see
+gspo.distributed.full_weights / full_optimizer_state), in the same layout one process writes.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def save_checkpoint(
     scheduler: Any | None,
     trainer_state: dict,
     keep_last: int = 3,
+    weights: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically, point `latest` at it, prune old ones; return its path.
 
@@ -56,6 +59,8 @@ def save_checkpoint(
     must be JSON-like Python types or tensors, because loading uses torch.load(weights_only=True).
     `tokenizer`, `optimizer` and `scheduler` may be None (e.g. a weights-only final save).
     `keep_last <= 0` keeps every checkpoint; the one just written is never pruned.
+    `weights` / `optimizer_state` replace model.state_dict() / optimizer.state_dict() (a
+    sharded model's gathered state).
     """
     ckpts = Path(run_dir) / CHECKPOINTS_DIR
     ckpts.mkdir(parents=True, exist_ok=True)
@@ -64,10 +69,13 @@ def save_checkpoint(
     tmp = ckpts / f".tmp-{name}-{os.getpid()}"
     try:
         tmp.mkdir()
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, **({"state_dict": weights} if weights is not None else {}))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        torch.save(_trainer_payload(step, optimizer, scheduler, trainer_state), tmp / STATE_FILE)
+        if optimizer_state is None and optimizer is not None:
+            optimizer_state = optimizer.state_dict()
+        torch.save(_trainer_payload(step, optimizer_state, scheduler, trainer_state),
+                   tmp / STATE_FILE)
         _fsync_tree(tmp)
         final = _publish(tmp, ckpts / name)
     except BaseException:
@@ -78,12 +86,13 @@ def save_checkpoint(
     return final
 
 
-def _trainer_payload(step: int, optimizer, scheduler, trainer_state: dict) -> dict:
+def _trainer_payload(step: int, optimizer_state: dict | None, scheduler, trainer_state: dict
+                     ) -> dict:
     """Everything besides the weights that a resume needs, as torch.load(weights_only) types."""
     return {
         "format_version": FORMAT_VERSION,
         "step": step,
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "optimizer": optimizer_state,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "trainer_state": dict(trainer_state),
         "rng": _get_rng_state(),
@@ -241,6 +250,16 @@ def load_checkpoint(
     state = dict(payload["trainer_state"])
     state.setdefault("step", payload["step"])
     return state
+
+
+def read_training_state(ckpt_dir: str | os.PathLike) -> tuple[dict, dict]:
+    """The optimizer and scheduler state dicts a checkpoint holds, for a caller that builds its
+    optimiser after loading the weights (a sharded model: see gspo.distributed)."""
+    payload = torch.load(Path(ckpt_dir) / STATE_FILE, map_location="cpu", weights_only=True)
+    for what in ("optimizer", "scheduler"):
+        if payload.get(what) is None:
+            raise ValueError(f"checkpoint {ckpt_dir} has no {what} state (saved with {what}=None)")
+    return payload["optimizer"], payload["scheduler"]
 
 
 def _load_component(obj, state_dict: dict | None, what: str, ckpt_dir: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -60,7 +61,8 @@ def train_main(argv: list[str]) -> int:
     except (ConfigError, ModelLoadError, TrainingError) as e:
         _leave_process_group(wait=False)
         return _fail(str(e))
-    print_summary(summary)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, once
+        print_summary(summary)
     return 0
 
 

@@ -169,6 +169,12 @@ class TrainConfig:
     keep_last: int = _f(2, "checkpoints kept (older ones are deleted)")
     tensorboard: bool = _f(True, "also write TensorBoard events when tensorboard is installed")
     progress: bool = _f(True, "show a progress bar")
+    device: str = _f("auto", "where the training model runs: 'auto' (this rank's GPU, "
+                     "cuda:LOCAL_RANK, when CUDA is available, else the CPU), 'cpu', 'cuda', "
+                     "'cuda:N'")
+    data_parallel: str = _f("auto", "under torchrun: 'fsdp' (FSDP2, parameters, gradients and "
+                            "optimiser state sharded over ranks), 'ddp' (every rank holds the "
+                            "whole model), or 'auto' = fsdp where this torch has fully_shard")
 
 
 @dataclass
@@ -358,6 +364,9 @@ def resolve(cfg: Config) -> Config:
     _positive("train.eval_temperature", t.eval_temperature, allow_zero=True)
     for k in ("eval_every", "save_every", "keep_last"):
         _positive(f"train.{k}", getattr(t, k), allow_zero=True)
+    if t.data_parallel not in ("auto", "fsdp", "ddp"):
+        raise ConfigError(f"train.data_parallel '{t.data_parallel}' is unknown; available: "
+                          f"auto, fsdp, ddp")
     _check_data(cfg.data)
     return cfg
 

@@ -6,13 +6,24 @@
 A single process without torchrun is the default and needs no process group. Each rank samples
 the groups of its own share of the step's prompts (whole groups stay on one rank, so group
 advantages need no communication); the trainer normalises every loss by the GLOBAL count of
-sequences (or tokens) in the minibatch and scales it by the world size, so DDP's gradient
-average equals the full-batch gradient. Metrics are reduced as sums over ranks, then divided.
+sequences (or tokens) in the minibatch and scales it by the world size, so that the gradient
+average over ranks equals the full-batch gradient. Metrics are reduced as sums over ranks.
 
-What is left out: FSDP2 sharding. `fully_shard` runs on this torch, but our memory-frugal
-log-prob pass calls the decoder directly (bypassing the root module's forward that gathers
-the shared embedding) and every rank decodes for its own number of steps, while a sharded
-model needs all ranks in every forward; both need reworking before FSDP2 can replace DDP.
+Two ways to hold the model (`train.data_parallel`):
+
+    fsdp  FSDP2: `fully_shard` on every decoder layer, then on the Policy wrapper as the root
+          (embeddings, final norm and the LM head, tied or not, form the root's group). Each
+          rank holds 1/N of the parameters, gradients and AdamW state. Rollouts and evaluation
+          run on a full, unsharded copy of the weights that is refreshed after every update
+          (as a vLLM engine would hold its own copy), so decoding needs no collectives. Every
+          forward of the sharded model is a collective: Policy makes all ranks take the same
+          path through the decoder (see `sync_max`).
+    ddp   DistributedDataParallel: every rank holds the whole model; the rollout engine
+          shares it.
+
+Checkpoints are written by rank 0 in the single-process format: the weights gathered into one
+Hugging Face state dict, the optimiser state gathered and keyed by parameter index as
+`optimizer.state_dict()` keys it; so a run resumes on any number of ranks, in either mode.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ class Dist:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    device: torch.device = torch.device("cpu")  # where this rank trains (and communicates)
 
     @property
     def is_main(self) -> bool:
@@ -41,34 +53,62 @@ class Dist:
 
     def sum(self, values: list[float]) -> list[float]:
         """Element-wise sum over ranks (float64, so counts stay exact)."""
-        if not self.enabled:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t.tolist()
+        return self._reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, values: list[float]) -> list[float]:
+        """Element-wise max over ranks."""
+        return self._reduce(values, dist.ReduceOp.MAX)
 
     def min_max(self, lo: float, hi: float) -> tuple[float, float]:
+        lo, neg_hi = self._reduce([lo, -hi], dist.ReduceOp.MIN)
+        return lo, -neg_hi
+
+    def _reduce(self, values: list[float], op) -> list[float]:
         if not self.enabled:
-            return lo, hi
-        t = torch.tensor([lo, -hi], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return float(t[0]), -float(t[1])
+            return [float(v) for v in values]
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
 
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()
 
 
-def init_distributed() -> Dist:
-    """Join the process group torchrun describes in the environment (gloo on CPU, NCCL on
-    GPU); without torchrun, a single-process Dist."""
+def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
+    """'auto' = this rank's GPU (cuda:LOCAL_RANK) when CUDA is available, else the CPU; 'cuda'
+    = cuda:LOCAL_RANK; or an explicit 'cpu' / 'cuda:N'."""
+    from gspo.config import ConfigError
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cuda":
+        spec = f"cuda:{local_rank}"
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ConfigError(f"train.device '{spec}' is not a device; use auto, cpu, cuda or "
+                          f"cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"train.device={spec} but this torch ({torch.__version__}) sees "
+                              f"no CUDA device; use train.device=cpu")
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise ConfigError(f"train.device '{spec}': only cpu and cuda are supported")
+    return device
+
+
+def init_distributed(device: str = "auto") -> Dist:
+    """Join the process group torchrun describes in the environment, NCCL when this rank
+    trains on a GPU and gloo on the CPU; without torchrun, a single-process Dist."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else 0
+    dev = resolve_device(device, local_rank)
     if world <= 1:
-        return Dist()
+        return Dist(device=dev)
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev)
 
 
 def shutdown(d: Dist) -> None:
@@ -77,33 +117,140 @@ def shutdown(d: Dist) -> None:
 
 
 class Policy(torch.nn.Module):
-    """The trainable forward, per-token log-probs of the responses, as one module so that DDP
-    wraps the call the update pass makes (and synchronises its gradients)."""
+    """The trainable forward, per-token log-probs of the responses, as one module: DDP wraps
+    it, or FSDP2 makes it the root, so that every call the trainer makes (update, pi_old, MoE
+    routing) runs through the wrapper's hooks.
+
+    sync_max: set when the model is sharded; token_logprobs then agrees with the other ranks
+    on how many response columns to compute and whether prompts are shared, because a sharded
+    layer's forward is a collective and every rank must make the same sequence of calls.
+    """
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
+        self.sync_max = None
+        # names of tied aliases (e.g. lm_head.weight = embed_tokens.weight), found while the
+        # tensors are still plain: a gathered state dict lists them as separate copies
+        seen, self.aliases = set(), set()
+        for k, v in model.state_dict(keep_vars=True).items():
+            (self.aliases.add(k) if v.data_ptr() in seen else seen.add(v.data_ptr()))
 
-    def forward(self, input_ids, attention_mask, n_response: int, temperature: float,
-                chunk_size: int, share_prompts: bool = True):
+    def forward(self, input_ids, attention_mask, n_response: int, temperature: float = 1.0,
+                chunk_size: int = 1024, with_entropy: bool = False, share_prompts: bool = True):
         from gspo.models import token_logprobs
         return token_logprobs(self.model, input_ids, attention_mask, n_response, temperature,
-                              chunk_size, share_prompts=share_prompts)
+                              chunk_size, with_entropy, share_prompts=share_prompts,
+                              sync_max=self.sync_max)
 
 
-def wrap_policy(model: torch.nn.Module, d: Dist) -> torch.nn.Module:
-    """Policy(model), inside DistributedDataParallel when there are several ranks."""
+def fsdp_available() -> bool:
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401  (torch >= 2.6)
+    except ImportError:
+        return False
+    return True
+
+
+def wrap_policy(model: torch.nn.Module, d: Dist, mode: str = "ddp") -> Policy | torch.nn.Module:
+    """Policy(model); on several ranks sharded with FSDP2 (mode "fsdp") or inside DDP.
+
+    Under FSDP2 the parameters become DTensor shards in place: build the optimiser after this.
+    """
     policy = Policy(model)
     if not d.enabled:
         return policy
-    return torch.nn.parallel.DistributedDataParallel(policy, broadcast_buffers=False)
+    if mode == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh(d.device.type, (d.world,))
+        for layer in model.get_decoder().layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(policy, mesh=mesh)
+        policy.sync_max = lambda values: [int(v) for v in d.max(values)]
+        return policy
+    ids = [d.device.index] if d.device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(policy, device_ids=ids, broadcast_buffers=False)
+
+
+def is_sharded(policy: torch.nn.Module) -> bool:
+    return isinstance(policy, Policy) and policy.sync_max is not None
 
 
 @contextmanager
 def no_sync(policy: torch.nn.Module, skip: bool):
-    """Accumulate gradients locally (no all-reduce) for all but a minibatch's last micro-batch."""
+    """Accumulate gradients locally (no all-reduce / reduce-scatter) for all but a minibatch's
+    last micro-batch."""
     if skip and isinstance(policy, torch.nn.parallel.DistributedDataParallel):
         with policy.no_sync():
             yield
+    elif skip and is_sharded(policy):
+        policy.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            policy.set_requires_gradient_sync(True)
     else:
         yield
+
+
+def as_local(x):
+    """A plain tensor from a (replicated) DTensor, e.g. clip_grad_norm_'s total norm under FSDP."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def full_weights(policy: torch.nn.Module, model: torch.nn.Module, main_only: bool = False
+                 ) -> dict[str, torch.Tensor]:
+    """The model's whole state dict (model's own key names). Sharded: gathered, a collective on
+    every rank; with main_only, only rank 0 receives it (CPU copies) and the others get {}."""
+    if not is_sharded(policy):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    sd = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True,
+                                                               cpu_offload=main_only))
+    return {k.removeprefix("model."): v for k, v in sd.items()}
+
+
+def checkpoint_state(policy: torch.nn.Module, model: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict | None]:
+    """(weights, optimizer state) for save_checkpoint: None, None when the model is not sharded
+    (the checkpoint then reads model and optimizer itself); sharded: gathered on rank 0, tied
+    aliases dropped as save_pretrained drops them. A collective: call it on every rank."""
+    if not is_sharded(policy):
+        return None, None
+    weights = full_weights(policy, model, main_only=True)
+    weights = {k: v for k, v in weights.items() if k not in policy.aliases}
+    return weights, full_optimizer_state(policy, optimizer)
+
+
+def full_optimizer_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """optimizer.state_dict(), in the single-process layout (states keyed by parameter index)
+    whatever the sharding; sharded: gathered on rank 0 (a collective; the others get {})."""
+    if not is_sharded(policy):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    osd = get_optimizer_state_dict(policy, optimizer, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
+    if not osd:
+        return {}
+    index = {name: i for i, name in enumerate(n for g in osd["param_groups"] for n in g["params"])}
+    return {"state": {index[n]: v for n, v in osd["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
+                             for g in osd["param_groups"]]}
+
+
+def load_optimizer_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         state: dict) -> None:
+    """Load a single-process optimizer.state_dict() (as checkpoints hold it) into `optimizer`,
+    sharding it when the model is sharded."""
+    if not is_sharded(policy):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    # the optimiser's parameter order is the model's: index i <-> the i-th parameter's name
+    names = [n for n, _ in policy.named_parameters()]
+    by_name = {"state": {names[i]: v for i, v in state["state"].items()},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                for g in state["param_groups"]]}
+    set_optimizer_state_dict(policy, optimizer, by_name,
+                             options=StateDictOptions(full_state_dict=True))

@@ -276,8 +276,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
         tau, chunk = ctx.temperature, ctx.chunk_size
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32) if need_b else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = (torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+                  if need_b else None)
         for start in range(0, hidden.shape[0], chunk):
             sl = slice(start, start + chunk)
             h = hidden[sl]
@@ -354,6 +355,7 @@ def token_logprobs(
     chunk_size: int = 1024,
     with_entropy: bool = False,
     share_prompts: bool = True,
+    sync_max=None,
 ):
     """log pi(y_t | x, y_<t) of the last `n_response` tokens of input_ids, and optionally the entropy.
 
@@ -362,13 +364,22 @@ def token_logprobs(
     masked response positions are meaningless (0 past the longest response): callers mask them.
     Gradients flow. Returns logp (B, n_response) [, entropy (B, n_response)]. share_prompts=False forces one
     plain forward over all (B, L) positions (MoE routing record/replay needs exactly that).
+
+    sync_max (a sharded model): `list[int] -> list[int]`, the max over ranks. Every rank then
+    computes the same number of columns and takes the same path through the decoder, because
+    each forward of a sharded layer is a collective.
     """
     # Columns past the longest response are padding in every row: not computed, returned as 0.
     T = max(1, int(attention_mask[:, input_ids.shape[1] - n_response:].sum(-1).max()))
+    share = share_prompts and _can_share_prompts(model, attention_mask[:, :input_ids.shape[1] - n_response])
+    if sync_max is not None:
+        T, unshared = sync_max([T, int(not share)])
+        share = not unshared
     cut = n_response - T
     if cut:
         input_ids, attention_mask = input_ids[:, :-cut], attention_mask[:, :-cut]
-    hidden = decoder_hidden(model, input_ids, attention_mask, T, share_prompts)  # (B, T, H)
+    hidden = decoder_hidden(model, input_ids, attention_mask, T, share,
+                            always_split=sync_max is not None)  # (B, T, H)
     head = model.get_output_embeddings()
     out = logprobs_from_hidden(
         hidden,
@@ -385,19 +396,24 @@ def token_logprobs(
 
 
 def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_response: int,
-                   share_prompts: bool = True) -> torch.Tensor:
+                   share_prompts: bool = True, always_split: bool = False) -> torch.Tensor:
     """The decoder's last hidden states (B, n_response, H) that predict the last n_response tokens.
 
     When rows share a prompt (the G responses of a group), each distinct prompt runs through the
     decoder once and its key/value cache is indexed out to its rows, through which gradients
     flow back; the responses then run on top of that cache. Same function as one forward over
     the whole (B, L) batch, fewer FLOPs: (B - distinct prompts) * prompt length fewer positions.
+    always_split: take the prompt-then-response path even when every prompt is distinct (so
+    that all ranks of a sharded model make the same decoder calls).
     """
     decoder = model.get_decoder()
     Lp = input_ids.shape[1] - n_response
     prompt_ids, prompt_mask = input_ids[:, :Lp], attention_mask[:, :Lp]
     share = share_prompts and _can_share_prompts(model, prompt_mask)
     groups = _prompt_groups(prompt_ids, prompt_mask) if share else None
+    if groups is None and share and always_split:
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        groups = rows, rows
     if groups is None:
         # The last token predicts nothing we score, so the decoder never sees it.
         ids, mask = input_ids[:, :-1], attention_mask[:, :-1]  # (B, L-1)

@@ -131,8 +131,8 @@ class RoutingRecorder:
 
     def allocate(self, store: str, n_rows: int, seq_len: int) -> None:
         """Make room for (n_rows, seq_len, k) recorded indices per router."""
-        self.stores[store] = [torch.zeros(n_rows, seq_len, m.top_k, dtype=torch.long)
-                              for _, m in self.routers]
+        self.stores[store] = [torch.zeros(n_rows, seq_len, m.top_k, dtype=torch.long,
+                                          device=m.weight.device) for _, m in self.routers]
 
 
 def expert_volatility(old: list[Tensor], new: list[Tensor], mask: Tensor) -> dict[str, float]:
@@ -157,6 +157,22 @@ def expert_volatility(old: list[Tensor], new: list[Tensor], mask: Tensor) -> dic
             "changed_frac": float(torch.cat(changed).mean())}
 
 
+def expert_counts(indices: list[Tensor], mask: Tensor, num_experts: int) -> Tensor:
+    """(layers, E) how many masked tokens each layer routed to each expert (over the k slots);
+    counts add up across ranks, the summary of load_stats does not."""
+    sel = mask > 0
+    return torch.stack([torch.bincount(idx[sel].flatten(), minlength=num_experts).float()
+                        for idx in indices])
+
+
+def load_summary(counts: Tensor) -> dict[str, float]:
+    """load_max / load_min / load_cv (see load_stats) from (layers, E) expert counts."""
+    frac = counts / counts.sum(-1, keepdim=True)  # (layers, E)
+    rel = frac * counts.shape[-1]
+    cv = frac.std(-1) / frac.mean(-1)
+    return {"load_max": float(rel.max()), "load_min": float(rel.min()), "load_cv": float(cv.mean())}
+
+
 def load_stats(indices: list[Tensor], mask: Tensor, num_experts: int) -> dict[str, float]:
     """Router load balance over the masked tokens: per-layer expert load, summarised.
 
@@ -166,13 +182,4 @@ def load_stats(indices: list[Tensor], mask: Tensor, num_experts: int) -> dict[st
     """
     if not indices:
         return {}
-    sel = mask > 0
-    rel, cvs = [], []
-    for idx in indices:
-        counts = torch.bincount(idx[sel].flatten(), minlength=num_experts).float()  # (E,)
-        frac = counts / counts.sum()
-        rel.append(frac * num_experts)
-        cvs.append(frac.std() / frac.mean())
-    rel = torch.stack(rel)
-    return {"load_max": float(rel.max()), "load_min": float(rel.min()),
-            "load_cv": float(torch.stack(cvs).mean())}
+    return load_summary(expert_counts(indices, mask, num_experts))

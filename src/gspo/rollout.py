@@ -81,6 +81,12 @@ class Rollouts:
     def response_lengths(self) -> torch.Tensor:
         return self.response_mask.sum(-1).long()  # (B,)
 
+    def to(self, device: torch.device) -> "Rollouts":
+        """The same rollouts on `device` (self when already there)."""
+        if self.response_ids.device == torch.device(device):
+            return self
+        return Rollouts(**{k: v.to(device) for k, v in vars(self).items()})
+
 
 class RolloutEngine(Protocol):
     """Anything that samples responses to token-id prompts and can take new policy weights."""

@@ -11,8 +11,8 @@ One RL step, top to bottom in :func:`train`:
     metrics     one row of metrics.jsonl per step; held-out evaluation every `eval_every` steps
     checkpoint  Hugging Face format plus optimiser / scheduler / RNG / data position
 
-What is left out here: several processes (see the distributed issue), other rollout engines,
-and routing replay for MoE models.
+Under torchrun the same loop runs on every rank, each on its share of the prompts
+(gspo.distributed: DDP or FSDP2).
 """
 
 from __future__ import annotations
@@ -31,15 +31,18 @@ from pathlib import Path
 import torch
 import transformers
 
-from gspo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from gspo.checkpoint import (latest_checkpoint, load_checkpoint, read_training_state,
+                             save_checkpoint)
 from gspo.config import Config, save_config
 from gspo.data import encode_prompts, score
-from gspo.distributed import Dist, init_distributed, no_sync, wrap_policy
+from gspo.distributed import (Dist, Policy, as_local, checkpoint_state, fsdp_available,
+                               full_weights, init_distributed, load_optimizer_state, no_sync,
+                               wrap_policy)
 from gspo.evaluate import decode_responses, evaluate
 from gspo.logger import MetricsLogger
 from gspo.models import (build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer, load_model,
                          stop_token_ids, token_logprobs)
-from gspo.moe import RoutingRecorder, expert_volatility, is_moe, load_stats
+from gspo.moe import RoutingRecorder, expert_counts, expert_volatility, is_moe, load_summary
 from gspo.objectives import (OBJECTIVES, engine_mismatch, group_advantages, kl_k3,
                              truncated_is_weights)
 from gspo.rollout import (HFEngine, RolloutEngine, Rollouts, SamplingParams, left_pad,
@@ -68,7 +71,7 @@ class Summary:
 # set-up: model, task, optimiser
 
 
-def build_model(cfg: Config):
+def build_model(cfg: Config, device: torch.device | str = "cpu"):
     m = cfg.model
     shape = dict(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
                  num_kv_heads=m.num_kv_heads, seed=cfg.train.seed)
@@ -82,7 +85,7 @@ def build_model(cfg: Config):
                                      num_experts_per_tok=m.num_experts_per_tok, **shape)
     else:
         model, tokenizer = load_model(m.name_or_path, dtype=m.dtype)
-    return model.to(getattr(torch, m.dtype)), tokenizer
+    return model.to(device=device, dtype=getattr(torch, m.dtype)), tokenizer
 
 
 def build_optimizer(model, lr: float, cfg: Config):
@@ -112,6 +115,7 @@ def warmup(model, tokenizer, rows: list[dict], solution, cfg: Config) -> float:
     opt, _ = build_optimizer(model, w.lr, cfg)
     rng = random.Random(cfg.train.seed)
     eos = tokenizer.eos_token_id
+    device = next(model.parameters()).device
     loss = torch.tensor(float("nan"))
     model.train()
     for _ in _progress(range(w.steps), "warm-up", cfg.train.progress):
@@ -121,8 +125,9 @@ def warmup(model, tokenizer, rows: list[dict], solution, cfg: Config) -> float:
                                            tokenizer.pad_token_id)
         answers = [tokenizer.encode(solution(r), add_special_tokens=False) + [eos] for r in batch]
         resp_ids, resp_mask = right_pad(answers, tokenizer.pad_token_id)
-        input_ids = torch.cat([prompt_ids, resp_ids], 1)
-        attn = torch.cat([prompt_mask, resp_mask.long()], 1)
+        input_ids = torch.cat([prompt_ids, resp_ids], 1).to(device)
+        attn = torch.cat([prompt_mask, resp_mask.long()], 1).to(device)
+        resp_mask = resp_mask.to(device)
         logp = token_logprobs(model, input_ids, attn, resp_ids.shape[1],
                               chunk_size=cfg.model.logprob_chunk_size)  # (B, T)
         loss = -(logp * resp_mask).sum() / resp_mask.sum()
@@ -139,9 +144,10 @@ def warmup(model, tokenizer, rows: list[dict], solution, cfg: Config) -> float:
 
 
 @torch.no_grad()
-def policy_logprobs(model, r: Rollouts, temperature: float, micro: int, chunk: int,
+def policy_logprobs(policy, r: Rollouts, temperature: float, micro: int, chunk: int,
                     with_entropy: bool = False, route=None):
-    """Per-token log-probs (and entropies) of the responses under `model`, no gradient.
+    """Per-token log-probs (and entropies) of the responses under `policy` (a Policy, possibly
+    wrapped by DDP or sharded), no gradient.
 
     route: optional `rows -> context manager` (a RoutingRecorder's record), entered around
     each micro-batch so that MoE routing is recorded per row.
@@ -149,29 +155,44 @@ def policy_logprobs(model, r: Rollouts, temperature: float, micro: int, chunk: i
     outs = []
     for rows in torch.arange(r.response_ids.shape[0]).split(micro):
         with route(rows) if route else contextlib.nullcontext():
-            outs.append(token_logprobs(model, r.input_ids[rows], r.attention_mask[rows],
-                                       r.response_ids.shape[1], temperature, chunk, with_entropy,
-                                       share_prompts=route is None))
+            outs.append(policy(r.input_ids[rows], r.attention_mask[rows],
+                               r.response_ids.shape[1], temperature, chunk, with_entropy,
+                               share_prompts=route is None))
     if not with_entropy:
         return torch.cat(outs)
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])  # (B, T) each
 
 
-def moe_metrics(model, routing: RoutingRecorder, r: Rollouts, cfg: Config, micro: int
-                ) -> dict[str, float]:
+def moe_metrics(policy, routing: RoutingRecorder, r: Rollouts, cfg: Config, micro: int,
+                d: Dist) -> dict[str, float]:
     """Router load under pi_old and the expert volatility of this step's updates: the same
-    rollout tokens routed again by the updated policy, compared with pi_old's routing."""
+    rollout tokens routed again by the updated policy, compared with pi_old's routing.
+    Over ranks: volatility weighted by tokens, the load from expert counts summed."""
     n, seq_len = r.input_ids.shape[0], r.input_ids.shape[1] - 1
     routing.allocate("new", n, seq_len)
-    policy_logprobs(model, r, cfg.rollout.temperature, micro, cfg.model.logprob_chunk_size,
+    policy_logprobs(policy, r, cfg.rollout.temperature, micro, cfg.model.logprob_chunk_size,
                     route=lambda rows: routing.record(rows, store="new"))
     # position j of the decoder input predicts token j + 1: response tokens sit at the end
-    mask = torch.zeros(n, seq_len)
+    mask = torch.zeros(n, seq_len, device=r.response_mask.device)
     mask[:, -r.response_ids.shape[1]:] = r.response_mask
     num_experts = routing.routers[0][1].num_experts
-    stats = {**expert_volatility(routing.indices("old"), routing.indices("new"), mask),
-             **load_stats(routing.indices("old"), mask, num_experts)}
+    vol = expert_volatility(routing.indices("old"), routing.indices("new"), mask)
+    n = float(mask.sum())
+    tokens, *weighted = d.sum([n] + [n * v for v in vol.values()])
+    counts = expert_counts(routing.indices("old"), mask, num_experts)  # (layers, E)
+    counts = torch.tensor(d.sum(counts.flatten().tolist())).view(counts.shape)
+    stats = {**{k: w / tokens for k, w in zip(vol, weighted)}, **load_summary(counts)}
     return {f"moe/{k}": v for k, v in stats.items()}
+
+
+def reduce_mismatch(m: dict[str, float], r: Rollouts, d: Dist) -> dict[str, float]:
+    """engine_mismatch's means weighted over ranks (tokens, sequences), its maxes maxed."""
+    n_tok, n_seq = float(r.response_mask.sum()), float(r.response_mask.shape[0])
+    tok, seq, tok_sum, seq_sum = d.sum([n_tok, n_seq, n_tok * m["token_abs_mean"],
+                                        n_seq * m["seq_log_ratio_mean"]])
+    tok_max, seq_max = d.max([m["token_abs_max"], m["seq_log_ratio_abs_max"]])
+    return {"token_abs_mean": tok_sum / tok, "token_abs_max": tok_max,
+            "seq_log_ratio_mean": seq_sum / seq, "seq_log_ratio_abs_max": seq_max}
 
 
 def update(run: "Run", r: Rollouts, old_logp, ref_logp, adv) -> dict[str, float]:
@@ -236,7 +257,8 @@ def update(run: "Run", r: Rollouts, old_logp, ref_logp, adv) -> dict[str, float]
                 sums[k] = sums.get(k, 0.0) + w * float(v)
             sums["_tokens"] = sums.get("_tokens", 0.0) + w
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)))
+        grad_norms.append(float(as_local(torch.nn.utils.clip_grad_norm_(run.model.parameters(),
+                                                                         clip))))
         run.optimizer.step()
         run.scheduler.step()
         losses.append(mb_loss)
@@ -287,7 +309,7 @@ class Run:
     train_rows: list[dict]
     eval_rows: list[dict]
     reward_fn: object
-    ref_model: torch.nn.Module | None
+    ref_policy: Policy | None               # pi_ref, unsharded, when algorithm.beta > 0
     routing: RoutingRecorder | None          # on the training model (MoE only)
     rollout_routing: RoutingRecorder | None  # on the engine's model, to replay its routing
     gen: torch.Generator                     # minibatch shuffling
@@ -296,18 +318,20 @@ class Run:
     warmup_s: float
     micro: int
     dist: Dist                               # rank / world size (1 without torchrun)
-    policy: torch.nn.Module                  # the model's log-prob forward, DDP-wrapped on >1 rank
+    policy: torch.nn.Module                  # the model's log-prob forward: DDP / FSDP2 on >1 rank
 
 
-def make_engine(model, tokenizer, cfg: Config) -> RolloutEngine:
-    """The rollout engine; it shares the training model unless it samples in another dtype."""
+def make_engine(model, tokenizer, cfg: Config, own_copy: bool = False) -> RolloutEngine:
+    """The rollout engine; it shares the training model unless it samples in another dtype or
+    needs its own copy (the training model is about to be sharded)."""
     r = cfg.rollout
     if r.engine == "vllm":
         from gspo.vllm_engine import VLLMEngine
         return VLLMEngine(model, tokenizer, dtype=r.dtype,
                           gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                           seed=cfg.train.seed)
-    sampler = model if r.dtype == cfg.model.dtype else copy.deepcopy(model).to(getattr(torch, r.dtype))
+    shared = r.dtype == cfg.model.dtype and not own_copy
+    sampler = model if shared else copy.deepcopy(model).to(getattr(torch, r.dtype))
     return HFEngine(sampler, eos_token_ids=stop_token_ids(model, tokenizer),
                     pad_token_id=tokenizer.pad_token_id)
 
@@ -315,7 +339,7 @@ def make_engine(model, tokenizer, cfg: Config) -> RolloutEngine:
 def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
     """Build model, task, engine and optimiser; restore a checkpoint or run the warm-up."""
     t = cfg.train
-    d = init_distributed()
+    d = init_distributed(t.device)
     if cfg.rollout.prompts_per_step % d.world:
         raise TrainingError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be "
                             f"divisible by the {d.world} ranks (whole groups stay on one rank)")
@@ -331,19 +355,19 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
         save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(t.seed)
 
-    model, tokenizer = build_model(cfg)
+    model, tokenizer = build_model(cfg, d.device)
     train_rows, eval_rows, reward_fn, solution = build_task(cfg.data)
-    optimizer, scheduler = build_optimizer(model, cfg.optim.lr, cfg)
     state, warmup_s = {}, 0.0
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, model, optimizer, scheduler)
+    if ckpt is not None:  # weights and RNG now, the optimiser's state once it is built
+        state = load_checkpoint(ckpt, model)
         log.info("resumed from %s at step %d", ckpt, state["step"])
     elif cfg.warmup.steps > 0:
         t0 = time.perf_counter()
         loss = warmup(model, tokenizer, train_rows, solution, cfg)
         warmup_s = time.perf_counter() - t0
         log.info("warm-up: %d steps, final loss %.4f, %.1fs", cfg.warmup.steps, loss, warmup_s)
-    engine = make_engine(model, tokenizer, cfg)
+    mode = data_parallel_mode(cfg, d)
+    engine = make_engine(model, tokenizer, cfg, own_copy=mode == "fsdp")
     routing = RoutingRecorder(model) if is_moe(model) else None
     a = cfg.algorithm
     if a.routing_replay and routing is None:
@@ -359,11 +383,31 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
     gen = torch.Generator().manual_seed(t.seed)
     if "update_rng" in state:
         gen.set_state(state["update_rng"])
+    ref_policy = Policy(copy.deepcopy(model).eval()) if a.beta > 0 else None
+    policy = wrap_policy(model, d, mode)  # FSDP2 shards the parameters in place: optimiser after
+    optimizer, scheduler = build_optimizer(model, cfg.optim.lr, cfg)
+    if ckpt is not None:
+        optimizer_state, scheduler_state = read_training_state(ckpt)
+        load_optimizer_state(policy, optimizer, optimizer_state)
+        scheduler.load_state_dict(scheduler_state)
     B = cfg.rollout.prompts_per_step * cfg.rollout.group_size // d.world  # this rank's rows
     return Run(cfg, run_dir, model, tokenizer, engine, optimizer, scheduler, train_rows,
-               eval_rows, reward_fn, copy.deepcopy(model).eval() if a.beta > 0 else None,
-               routing, rollout_routing, gen, int(state.get("step", 0)), state, warmup_s,
-               a.micro_batch_size or B // a.minibatches, d, wrap_policy(model, d))
+               eval_rows, reward_fn, ref_policy, routing, rollout_routing, gen,
+               int(state.get("step", 0)), state, warmup_s, a.micro_batch_size or B // a.minibatches,
+               d, policy)
+
+
+def data_parallel_mode(cfg: Config, d: Dist) -> str:
+    """'none' on one process, else 'fsdp' or 'ddp' as train.data_parallel asks."""
+    if not d.enabled:
+        return "none"
+    mode = cfg.train.data_parallel
+    if mode == "auto":
+        return "fsdp" if fsdp_available() else "ddp"
+    if mode == "fsdp" and not fsdp_available():
+        raise TrainingError(f"train.data_parallel=fsdp needs torch.distributed.fsdp.fully_shard "
+                            f"(torch >= 2.6; this is {torch.__version__}); use ddp")
+    return mode
 
 
 def run_eval(run: Run) -> dict[str, float]:
@@ -388,11 +432,12 @@ def generate(run: Run, rows: list[dict], step: int) -> Rollouts:
     params = SamplingParams(r.temperature, r.top_p, r.max_new_tokens)
     seed = run.cfg.train.seed * 7_919 + step + 1_000_003 * run.dist.rank
     if run.rollout_routing is None:
-        return run.engine.generate(prompts, n=r.group_size, params=params, seed=seed)
-    with run.rollout_routing.record_stream(len(prompts) * r.group_size):
         rollouts = run.engine.generate(prompts, n=r.group_size, params=params, seed=seed)
-    run.rollout_routing.finish_stream("old", rollouts.input_ids.shape[1] - 1)
-    return rollouts
+    else:
+        with run.rollout_routing.record_stream(len(prompts) * r.group_size):
+            rollouts = run.engine.generate(prompts, n=r.group_size, params=params, seed=seed)
+        run.rollout_routing.finish_stream("old", rollouts.input_ids.shape[1] - 1)
+    return rollouts.to(run.dist.device)  # an engine may hand back host tensors (vLLM)
 
 
 def old_policy(run: Run, r: Rollouts, step: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -413,10 +458,10 @@ def old_policy(run: Run, r: Rollouts, step: int) -> tuple[torch.Tensor, torch.Te
         record = run.routing is not None and not use_rollout
         if record:
             run.routing.allocate("old", r.input_ids.shape[0], r.input_ids.shape[1] - 1)
-        train_logp, entropy = policy_logprobs(run.model, r, temp, run.micro, chunk, True,
+        train_logp, entropy = policy_logprobs(run.policy, r, temp, run.micro, chunk, True,
                                               route=run.routing.record if record else None)
-        metrics = {f"mismatch/{k}": float(v)
-                   for k, v in engine_mismatch(train_logp, r.logp, r.response_mask).items()}
+        mismatch = {k: float(v) for k, v in engine_mismatch(train_logp, r.logp, r.response_mask).items()}
+        metrics = {f"mismatch/{k}": v for k, v in reduce_mismatch(mismatch, r, run.dist).items()}
     if use_rollout:
         return r.logp, -r.logp, metrics
     return train_logp, entropy, metrics
@@ -436,7 +481,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     # ---- rewards and group advantages
     rewards, reward_failures = score(run.reward_fn, texts, [row for row in rows for _ in range(G)],
                                      workers=getattr(run.reward_fn, "workers", 1))
-    rewards = torch.tensor(rewards)  # (B,)
+    rewards = torch.tensor(rewards, device=run.dist.device)  # (B,)
     adv = group_advantages(rewards, G, cfg.algorithm.advantage_scale)
     # ---- pi_old (and pi_ref)
     t1 = time.perf_counter()
@@ -445,16 +490,16 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
         w = truncated_is_weights(old_logp, rollouts.logp, rollouts.response_mask,
                                  cfg.algorithm.tis, cfg.algorithm.tis_cap)
         adv = adv[:, None] * w if w.dim() == 2 else adv * w  # w > 0 commutes with the min
-    ref_logp = (policy_logprobs(run.ref_model, rollouts, cfg.rollout.temperature, run.micro,
-                                cfg.model.logprob_chunk_size) if run.ref_model else None)
+    ref_logp = (policy_logprobs(run.ref_policy, rollouts, cfg.rollout.temperature, run.micro,
+                                cfg.model.logprob_chunk_size) if run.ref_policy else None)
     t_old = time.perf_counter() - t1
     # ---- minibatch updates
     t2 = time.perf_counter()
     m = update(run, rollouts, old_logp, ref_logp, adv)
-    run.engine.load_weights(run.model.state_dict())
+    run.engine.load_weights(full_weights(run.policy, run.model))
     t_update = time.perf_counter() - t2
     if run.routing:
-        m.update(moe_metrics(run.model, run.routing, rollouts, cfg, run.micro))
+        m.update(moe_metrics(run.policy, run.routing, rollouts, cfg, run.micro, run.dist))
     # ---- metrics (sums over ranks, then divided)
     mask = rollouts.response_mask
     n, r_sum, r_sq, n_tokens, ent, failures = run.dist.sum([
@@ -501,13 +546,16 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Summary:
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(reward=f"{row['reward/mean']:.2f}",
                             acc="-" if final_acc is None else f"{final_acc:.2f}")
-        if ((t.save_every > 0 and done % t.save_every == 0) or done == t.steps) and run.dist.is_main:
-            # DDP keeps every rank's weights and optimiser state identical: rank 0's are the run's
-            save_checkpoint(run.run_dir, done, run.model, run.tokenizer, run.optimizer,
-                            run.scheduler, {"step": done, "start_accuracy": start_acc,
-                                            "final_accuracy": final_acc,
-                                            "update_rng": run.gen.get_state()},
-                            keep_last=t.keep_last)
+        if (t.save_every > 0 and done % t.save_every == 0) or done == t.steps:
+            # DDP: every rank holds the same state, rank 0's is the run's; FSDP: gathered to 0
+            weights, optimizer_state = checkpoint_state(run.policy, run.model, run.optimizer)
+            if run.dist.is_main:
+                save_checkpoint(run.run_dir, done, run.model, run.tokenizer, run.optimizer,
+                                run.scheduler, {"step": done, "start_accuracy": start_acc,
+                                                "final_accuracy": final_acc,
+                                                "update_rng": run.gen.get_state()},
+                                keep_last=t.keep_last, weights=weights,
+                                optimizer_state=optimizer_state)
         run.dist.barrier()
     logger.close()
     return Summary(run.run_dir, start_acc, final_acc, run.warmup_s,
