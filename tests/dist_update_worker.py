@@ -29,6 +29,7 @@ def fixed_batch(B: int, vocab: int, Lp: int = 5, T: int = 6) -> tuple[Rollouts, 
     prompt_mask[::3, :2] = 0  # some left padding
     response_ids = torch.randint(4, vocab, (B, T), generator=g)
     lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[: B // 2] = lengths[: B // 2].clamp(max=T - 2)  # the first rank's rows are shorter
     response_mask = (torch.arange(T)[None] < lengths[:, None]).float()
     adv = torch.randn(B, generator=g)
     return Rollouts(prompt_ids, prompt_mask, response_ids, response_mask, torch.zeros(B, T)), adv
@@ -41,13 +42,16 @@ def main(out: str, overrides: list[str]) -> None:
         B = cfg.rollout.prompts_per_step * cfg.rollout.group_size
         full, adv = fixed_batch(B, len(run.tokenizer))
         rows = slice(run.dist.rank * B // run.dist.world, (run.dist.rank + 1) * B // run.dist.world)
-        r = Rollouts(full.prompt_ids[rows], full.prompt_mask[rows], full.response_ids[rows],
-                     full.response_mask[rows], full.logp[rows])
+        # as an engine returns them: no columns past this rank's longest response, so ranks
+        # hold rollouts of different widths
+        w = int(full.response_mask[rows].sum(-1).max())
+        r = Rollouts(full.prompt_ids[rows], full.prompt_mask[rows], full.response_ids[rows, :w],
+                     full.response_mask[rows, :w], full.logp[rows, :w])
         # pi_old slightly off the current policy, so that ratios differ from 1
         noise = 0.01 * torch.randn(full.response_ids.shape, generator=torch.Generator().manual_seed(7))
         with torch.no_grad():
             old_logp = run.policy(r.input_ids, r.attention_mask, r.response_ids.shape[1], 1.0,
-                                  1024) + noise[rows]
+                                  1024) + noise[rows, :w]
         metrics = update(run, r, old_logp, None, adv[rows])
         # .grad still holds the (reduced) gradient the optimiser step used; sharded under FSDP,
         # so gathered (a collective) on every rank

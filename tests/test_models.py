@@ -270,11 +270,12 @@ def test_padding_columns_past_the_longest_response_change_nothing(tok, model):
         torch.testing.assert_close(wide[2][k], narrow[2][k], atol=1e-6, rtol=1e-5, msg=k)
 
 
-@pytest.mark.parametrize("others", [(0, 0), (2, 0), (0, 1), (3, 1)])
+@pytest.mark.parametrize("others", [(0, 0), (2, 0), (0, 1), (3, 1), (5, 0), (9, 1)])
 @pytest.mark.parametrize("distinct", [False, True])
 def test_lockstep_paths_of_a_sharded_model_compute_the_same_function(tok, model, others, distinct):
-    # under FSDP another rank may need more columns (others[0] more) or cannot share prompts
-    # (others[1] = 1); all-distinct prompts then still take the prompt-then-response path
+    # under FSDP another rank may need more columns (others[0] more, even more than this rank's
+    # 7 response columns) or cannot share prompts (others[1] = 1); all-distinct prompts then
+    # still take the prompt-then-response path
     ids, mask = _grouped_batch(tok, G=1 if distinct else 3, n_response=4)
     pad = torch.full((ids.shape[0], 3), tok.pad_token_id)
     ids, mask = torch.cat([ids, pad], 1), torch.cat([mask, torch.zeros_like(pad)], 1)
@@ -282,7 +283,7 @@ def test_lockstep_paths_of_a_sharded_model_compute_the_same_function(tok, model,
 
     def sync_max(values):  # what the max over ranks would return
         calls.append(values)
-        return [max(values[0], min(7, values[0] + others[0])), max(values[1], others[1])]
+        return [values[0] + others[0], max(values[1], others[1])]  # beyond 7: wider rollouts
 
     alone = _value_and_grads(model, ids, mask, 7, share_prompts=False)
     layer_calls = []

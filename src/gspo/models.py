@@ -372,9 +372,14 @@ def token_logprobs(
     # Columns past the longest response are padding in every row: not computed, returned as 0.
     T = max(1, int(attention_mask[:, input_ids.shape[1] - n_response:].sum(-1).max()))
     share = share_prompts and _can_share_prompts(model, attention_mask[:, :input_ids.shape[1] - n_response])
+    n_out = n_response
     if sync_max is not None:
         T, unshared = sync_max([T, int(not share)])
         share = not unshared
+        if T > n_response:  # another rank's responses are longer: compute masked columns too
+            input_ids = F.pad(input_ids, (0, T - n_response))
+            attention_mask = F.pad(attention_mask, (0, T - n_response))
+            n_response = T
     cut = n_response - T
     if cut:
         input_ids, attention_mask = input_ids[:, :-cut], attention_mask[:, :-cut]
@@ -392,6 +397,8 @@ def token_logprobs(
     )
     if cut:  # (B, n_response) again
         out = tuple(F.pad(x, (0, cut)) for x in out) if with_entropy else F.pad(out, (0, cut))
+    if n_response != n_out:  # drop the columns computed only to keep step with other ranks
+        out = tuple(x[:, :n_out] for x in out) if with_entropy else out[:, :n_out]
     return out
 
 
