@@ -4,6 +4,7 @@ optimiser step of gspo.trainer.update on a fixed global batch; rank 0 saves the 
     python tests/dist_update_worker.py OUT.pt key.sub=value ...
 """
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -36,6 +37,9 @@ def fixed_batch(B: int, vocab: int, Lp: int = 5, T: int = 6) -> tuple[Rollouts, 
 
 
 def main(out: str, overrides: list[str]) -> None:
+    if "seed_per_rank=1" in overrides:  # every rank builds a different initial model
+        overrides = [o for o in overrides if o != "seed_per_rank=1"]
+        overrides.append(f"train.seed={int(os.environ.get('RANK', '0'))}")
     cfg = load_config(overrides=overrides)
     with tempfile.TemporaryDirectory() as d:
         run = prepare(cfg, Path(d), resume=False)
@@ -47,8 +51,10 @@ def main(out: str, overrides: list[str]) -> None:
         w = int(full.response_mask[rows].sum(-1).max())
         r = Rollouts(full.prompt_ids[rows], full.prompt_mask[rows], full.response_ids[rows, :w],
                      full.response_mask[rows, :w], full.logp[rows, :w])
+        r, device = r.to(run.dist.device), run.dist.device
         # pi_old slightly off the current policy, so that ratios differ from 1
         noise = 0.01 * torch.randn(full.response_ids.shape, generator=torch.Generator().manual_seed(7))
+        noise, adv = noise.to(device), adv.to(device)
         with torch.no_grad():
             old_logp = run.policy(r.input_ids, r.attention_mask, r.response_ids.shape[1], 1.0,
                                   1024) + noise[rows, :w]

@@ -184,3 +184,16 @@ def test_a_device_this_machine_lacks_is_a_clear_error(spec, message):
     with pytest.raises(ConfigError, match=message):
         resolve_device(spec)
     assert resolve_device("auto") == torch.device("cpu") == resolve_device("cpu")
+
+
+def test_ranks_start_from_rank_0s_weights(tmp_path):
+    # a run whose ranks built different models (another seed per rank) still trains one model:
+    # rank 0's weights are broadcast before sharding, so the 2-rank update equals the 1-process one
+    common = MODEL + ["algorithm=gspo", "rollout.prompts_per_step=4", "rollout.group_size=4",
+                      "algorithm.minibatches=1", "warmup.steps=0"]
+    torchrun(1, str(WORKER), str(tmp_path / "one.pt"), *common)
+    torchrun(2, str(WORKER), str(tmp_path / "two.pt"), *common, "train.data_parallel=fsdp",
+             "seed_per_rank=1")
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    for k, v in one["params"].items():
+        torch.testing.assert_close(two["params"][k], v, rtol=0, atol=1e-5, msg=k)

@@ -81,8 +81,9 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
     from gspo.config import ConfigError
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
-    if spec == "cuda":
-        spec = f"cuda:{local_rank}"
+    if spec == "cuda" and torch.cuda.is_available():
+        # one GPU per rank; a launcher may also show each rank only its own GPU
+        spec = f"cuda:{local_rank % torch.cuda.device_count()}"
     try:
         device = torch.device(spec)
     except RuntimeError:
@@ -92,6 +93,9 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
         if not torch.cuda.is_available():
             raise ConfigError(f"train.device={spec} but this torch ({torch.__version__}) sees "
                               f"no CUDA device; use train.device=cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"train.device={spec}, but only {torch.cuda.device_count()} "
+                              f"CUDA device(s) are visible")
         torch.cuda.set_device(device)
     elif device.type != "cpu":
         raise ConfigError(f"train.device '{spec}': only cpu and cuda are supported")
@@ -167,10 +171,21 @@ def wrap_policy(model: torch.nn.Module, d: Dist, mode: str = "ddp") -> Policy | 
         for layer in model.get_decoder().layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(policy, mesh=mesh)
+        # a parameter no token of this rank used (an idle expert) still joins the reduce-scatter
+        policy.set_reduce_scatter_unused_params(True)
         policy.sync_max = lambda values: [int(v) for v in d.max(values)]
         return policy
     ids = [d.device.index] if d.device.type == "cuda" else None
     return torch.nn.parallel.DistributedDataParallel(policy, device_ids=ids, broadcast_buffers=False)
+
+
+def broadcast_weights(model: torch.nn.Module, d: Dist) -> None:
+    """Give every rank rank 0's weights (FSDP2 does not broadcast, and a warm-up on a GPU need
+    not be bit-identical across ranks); call before taking copies of the model."""
+    if d.enabled:
+        with torch.no_grad():
+            for t in model.state_dict().values():
+                dist.broadcast(t, src=0)
 
 
 def is_sharded(policy: torch.nn.Module) -> bool:

@@ -35,9 +35,9 @@ from gspo.checkpoint import (latest_checkpoint, load_checkpoint, read_training_s
                              save_checkpoint)
 from gspo.config import Config, save_config
 from gspo.data import encode_prompts, score
-from gspo.distributed import (Dist, Policy, as_local, checkpoint_state, fsdp_available,
-                               full_weights, init_distributed, load_optimizer_state, no_sync,
-                               wrap_policy)
+from gspo.distributed import (Dist, Policy, as_local, broadcast_weights, checkpoint_state,
+                               fsdp_available, full_weights, init_distributed,
+                               load_optimizer_state, no_sync, wrap_policy)
 from gspo.evaluate import decode_responses, evaluate
 from gspo.logger import MetricsLogger
 from gspo.models import (build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer, load_model,
@@ -366,6 +366,7 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
         loss = warmup(model, tokenizer, train_rows, solution, cfg)
         warmup_s = time.perf_counter() - t0
         log.info("warm-up: %d steps, final loss %.4f, %.1fs", cfg.warmup.steps, loss, warmup_s)
+    broadcast_weights(model, d)  # before the engine's and the reference's copies
     mode = data_parallel_mode(cfg, d)
     engine = make_engine(model, tokenizer, cfg, own_copy=mode == "fsdp")
     routing = RoutingRecorder(model) if is_moe(model) else None
