@@ -64,3 +64,13 @@ def test_old_logprobs_benchmark_runs():
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "ratio rollout/recompute" in proc.stdout
+
+
+def test_profile_step_benchmark_splits_the_step_into_phases(tmp_path):
+    res = run("profile_step.py", "--prompts", "2", "--group-size", "2", "--max-new-tokens", "3",
+              "--num-layers", "1", "--minibatches", "2", "--steps", "1", *TINY, tmp_path=tmp_path)
+    rows = {r["phase"]: r for r in res["rows"]}
+    assert set(rows) == {"rollout", "pi_old", "update", "step"}
+    assert rows["step"]["ms"] == pytest.approx(sum(rows[p]["ms"] for p in ("rollout", "pi_old", "update")))
+    assert all(0 < rows[p]["gemm_share"] < 1 and rows[p]["gemm_gflop"] > 0
+               for p in ("rollout", "pi_old", "update"))

@@ -1,0 +1,115 @@
+"""Where one gspo RL step spends its time: per phase, the share spent in GEMMs and their rate.
+
+    .venv/bin/python benchmarks/profile_step.py --threads 1                  # vs_trl.py's settings
+    .venv/bin/python benchmarks/profile_step.py --threads 1 --max-new-tokens 32
+
+Phases as the trainer times them (rollout, pi_old recompute, update = `minibatches` AdamW
+steps), medians over `--steps` RL steps after 2 warm-up steps. Then each phase runs again under
+torch.profiler on one fixed rollout batch: "GEMM" is the self time of aten::mm / addmm / bmm /
+linear kernels, its rate their counted FLOPs over that time; everything else (elementwise
+ops, attention, autograd and Python overhead) is "other". A phase whose GEMMs already run near
+the CPU's large-GEMM rate (printed) can only get faster by spending less time in "other" or by
+doing fewer FLOPs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+
+from common import add_model_args, matmul_gflops, median, table, write_json  # noqa: E402
+
+GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--minibatches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
+    p.add_argument("--json", default=None)
+    return p.parse_args()
+
+
+def profile(fn, repeats: int = 3) -> dict:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    fn()  # warm
+    with torch_profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        wall = (time.perf_counter() - t0) / repeats
+    events = prof.key_averages()
+    gemm_us = sum(e.self_cpu_time_total for e in events if e.key in GEMMS)
+    gemm_flop = sum(e.flops for e in events if e.key in GEMMS)
+    total_us = sum(e.self_cpu_time_total for e in events)
+    share = gemm_us / total_us if total_us else 0.0
+    return {"gemm_share": share, "gemm_gflops": gemm_flop / max(gemm_us, 1) / 1e3,
+            "gemm_gflop": gemm_flop / repeats / 1e9, "profiled_ms": 1e3 * wall}
+
+
+def main() -> None:
+    a = parse()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    import gspo.trainer as trainer
+    from gspo.config import load_config
+
+    cfg = load_config(overrides=[
+        f"model.hidden_size={a.hidden_size}", f"model.num_layers={a.num_layers}",
+        f"model.num_heads={a.num_heads}", f"model.num_kv_heads={a.num_kv_heads}",
+        f"model.intermediate_size={a.intermediate_size}",
+        "data.n_train=2000", "data.n_eval=8", "data.digits=2", "data.operations=+",
+        f"rollout.group_size={a.group_size}", f"rollout.prompts_per_step={a.prompts}",
+        f"rollout.max_new_tokens={a.max_new_tokens}", "algorithm=gspo",
+        f"algorithm.minibatches={a.minibatches}", "optim.lr=1e-5", "warmup.steps=0",
+        "train.eval_every=0", "train.progress=false", "train.tensorboard=false"])
+    run = trainer.prepare(cfg, Path(tempfile.mkdtemp()), resume=False)
+    rows = [trainer.rl_step(run, step) for step in range(2 + a.steps)][2:]
+    phases = {"rollout": "time/rollout_s", "pi_old": "time/old_logp_s", "update": "time/update_s"}
+    ms = {name: 1e3 * median([r[key] for r in rows]) for name, key in phases.items()}
+    step_ms = sum(ms.values())
+
+    prompts = trainer.step_prompts(run.train_rows, 0, a.prompts, cfg.train.seed)
+    r = trainer.generate(run, prompts, 0)
+    old_logp, _, _ = trainer.old_policy(run, r, 1)
+    adv = torch.randn(r.response_ids.shape[0], generator=torch.Generator().manual_seed(0))
+    calls = {"rollout": lambda: trainer.generate(run, prompts, 0),
+             "pi_old": lambda: trainer.old_policy(run, r, 1),
+             "update": lambda: trainer.update(run, r, old_logp, None, adv)}
+    peak = matmul_gflops()
+    out = []
+    for name, fn in calls.items():
+        p = profile(fn)
+        gemm_ms = ms[name] * p["gemm_share"]
+        out.append({"phase": name, "ms": ms[name], "share": ms[name] / step_ms,
+                    "gemm_ms": gemm_ms, "other_ms": ms[name] - gemm_ms,
+                    "gemm_share": p["gemm_share"], "gemm_gflop": p["gemm_gflop"],
+                    "gemm_gflops": p["gemm_gflops"], "gemm_vs_peak": p["gemm_gflops"] / peak})
+    out.append({"phase": "step", "ms": step_ms, "share": 1.0,
+                "gemm_ms": sum(o["gemm_ms"] for o in out),
+                "other_ms": sum(o["other_ms"] for o in out)})
+    print(f"\nprofile_step: tiny Qwen3 hidden {a.hidden_size} x {a.num_layers} layers, "
+          f"{a.prompts} prompts x G {a.group_size}, {a.max_new_tokens} new tokens, "
+          f"{a.minibatches} minibatches, {a.threads or 'default'} thread(s); large-GEMM rate "
+          f"(torch.mm 1024^3) {peak:.1f} GFLOP/s\n")
+    print(table(out, [("phase", "phase", ""), ("ms", "ms / step", ".1f"),
+                      ("share", "share of step", ".2f"), ("gemm_ms", "GEMM ms", ".1f"),
+                      ("other_ms", "other ms", ".1f"), ("gemm_gflop", "GEMM GFLOP", ".2f"),
+                      ("gemm_gflops", "GEMM GFLOP/s", ".1f"),
+                      ("gemm_vs_peak", "GEMM rate / large-GEMM rate", ".2f")]))
+    write_json(a.json, {"args": vars(a), "large_gemm_gflops": peak, "rows": out})
+
+
+if __name__ == "__main__":
+    main()
