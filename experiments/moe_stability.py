@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from gspo.config import load_config  # noqa: E402
 from gspo.logger import read_metrics  # noqa: E402
+from gspo.distributed import Dist, Policy  # noqa: E402
 from gspo.trainer import build_model, build_task, train, warmup  # noqa: E402
 
 VARIANTS = {
@@ -46,7 +47,7 @@ def warm_model(seed: int, out: Path, common: list[str]) -> Path:
     cfg = load_config(overrides=MODEL + common + [f"train.seed={seed}"])
     model, tokenizer = build_model(cfg)
     train_rows, _, _, solution = build_task(cfg.data)
-    warmup(model, tokenizer, train_rows, solution, cfg)
+    warmup(Policy(model), model, tokenizer, train_rows, solution, cfg, Dist())
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

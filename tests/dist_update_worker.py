@@ -40,9 +40,15 @@ def main(out: str, overrides: list[str]) -> None:
     if "seed_per_rank=1" in overrides:  # every rank builds a different initial model
         overrides = [o for o in overrides if o != "seed_per_rank=1"]
         overrides.append(f"train.seed={int(os.environ.get('RANK', '0'))}")
+    warmup_only = "warmup_only=1" in overrides  # save the state right after the warm-up
+    overrides = [o for o in overrides if o != "warmup_only=1"]
     cfg = load_config(overrides=overrides)
     with tempfile.TemporaryDirectory() as d:
         run = prepare(cfg, Path(d), resume=False)
+        if warmup_only:
+            save(run, out, {})
+            shutdown(run.dist)
+            return
         B = cfg.rollout.prompts_per_step * cfg.rollout.group_size
         full, adv = fixed_batch(B, len(run.tokenizer))
         rows = slice(run.dist.rank * B // run.dist.world, (run.dist.rank + 1) * B // run.dist.world)
@@ -59,14 +65,18 @@ def main(out: str, overrides: list[str]) -> None:
             old_logp = run.policy(r.input_ids, r.attention_mask, r.response_ids.shape[1], 1.0,
                                   1024) + noise[rows, :w]
         metrics = update(run, r, old_logp, None, adv[rows])
-        # .grad still holds the (reduced) gradient the optimiser step used; sharded under FSDP,
-        # so gathered (a collective) on every rank
-        grads = {k: as_local(p.grad).clone() for k, p in run.model.named_parameters()}
-        params = {k: v.detach().clone() for k, v in full_weights(run.policy, run.model).items()}
-        if run.dist.is_main:
-            torch.save({"params": params, "grads": grads, "metrics": metrics,
-                        "sharded": type(run.model.lm_head.weight).__name__ == "DTensor"}, out)
+        save(run, out, metrics)
         shutdown(run.dist)
+
+
+def save(run, out: str, metrics: dict) -> None:
+    # .grad still holds the (reduced) gradient the last optimiser step used; sharded under
+    # FSDP, so gathered (a collective) on every rank
+    grads = {k: as_local(p.grad).clone() for k, p in run.model.named_parameters()}
+    params = {k: v.detach().clone() for k, v in full_weights(run.policy, run.model).items()}
+    if run.dist.is_main:
+        torch.save({"params": params, "grads": grads, "metrics": metrics,
+                    "sharded": type(run.model.lm_head.weight).__name__ == "DTensor"}, out)
 
 
 if __name__ == "__main__":

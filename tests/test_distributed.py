@@ -197,3 +197,19 @@ def test_ranks_start_from_rank_0s_weights(tmp_path):
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     for k, v in one["params"].items():
         torch.testing.assert_close(two["params"][k], v, rtol=0, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_two_ranks_share_the_warm_up_and_give_the_single_process_result(tmp_path, mode):
+    # each rank scores half of every warm-up batch; global token counts make the gradient the
+    # whole batch's (answers differ in length, so a mean of per-rank means would not be)
+    common = MODEL + ["warmup.steps=3", "warmup.batch_size=6", "rollout.prompts_per_step=2",
+                      "rollout.group_size=2", "algorithm.minibatches=1", "warmup_only=1"]
+    torchrun(1, str(WORKER), str(tmp_path / "one.pt"), *common)
+    torchrun(2, str(WORKER), str(tmp_path / "two.pt"), *common, f"train.data_parallel={mode}")
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    for k, g in one["grads"].items():  # the last warm-up step's gradient
+        torch.testing.assert_close(two["grads"][k], g, rtol=1e-4, atol=1e-6, msg=k)
+    # Adam's per-element normalisation amplifies float noise where a gradient is ~0
+    for k, v in one["params"].items():
+        torch.testing.assert_close(two["params"][k], v, rtol=0, atol=1e-4, msg=k)

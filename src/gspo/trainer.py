@@ -109,34 +109,37 @@ def step_prompts(rows: list[dict], step: int, n: int, seed: int) -> list[dict]:
 # supervised warm-up
 
 
-def warmup(model, tokenizer, rows: list[dict], solution, cfg: Config) -> float:
-    """Cross-entropy on worked answers (prompt tokens unscored); returns the last loss."""
+def warmup(policy, model, tokenizer, rows: list[dict], solution, cfg: Config, d: Dist) -> float:
+    """Cross-entropy on worked answers (prompt tokens unscored); returns the last loss.
+
+    Runs through `policy` (DDP or FSDP2 on several ranks): every rank draws the same batch and
+    scores its own share of it; the loss is normalised by the batch's GLOBAL token count and
+    scaled by the world size, so the averaged gradient is the whole batch's."""
     w = cfg.warmup
     opt, _ = build_optimizer(model, w.lr, cfg)
     rng = random.Random(cfg.train.seed)
     eos = tokenizer.eos_token_id
-    device = next(model.parameters()).device
     loss = torch.tensor(float("nan"))
     model.train()
-    for _ in _progress(range(w.steps), "warm-up", cfg.train.progress):
-        batch = rng.sample(rows, min(w.batch_size, len(rows)))
+    for _ in _progress(range(w.steps), "warm-up", cfg.train.progress and d.is_main):
+        batch = rng.sample(rows, min(w.batch_size, len(rows)))[d.rank::d.world]
         prompt_ids, prompt_mask = left_pad(encode_prompts(tokenizer, batch,
                                                           cfg.data.system_prompt or None),
                                            tokenizer.pad_token_id)
         answers = [tokenizer.encode(solution(r), add_special_tokens=False) + [eos] for r in batch]
         resp_ids, resp_mask = right_pad(answers, tokenizer.pad_token_id)
-        input_ids = torch.cat([prompt_ids, resp_ids], 1).to(device)
-        attn = torch.cat([prompt_mask, resp_mask.long()], 1).to(device)
-        resp_mask = resp_mask.to(device)
-        logp = token_logprobs(model, input_ids, attn, resp_ids.shape[1],
-                              chunk_size=cfg.model.logprob_chunk_size)  # (B, T)
-        loss = -(logp * resp_mask).sum() / resp_mask.sum()
+        input_ids = torch.cat([prompt_ids, resp_ids], 1).to(d.device)
+        attn = torch.cat([prompt_mask, resp_mask.long()], 1).to(d.device)
+        resp_mask = resp_mask.to(d.device)
+        logp = policy(input_ids, attn, resp_ids.shape[1], 1.0, cfg.model.logprob_chunk_size)  # (B, T)
+        n_tokens = d.sum([float(resp_mask.sum())])[0]
+        loss = -(logp * resp_mask).sum() / n_tokens * d.world
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         opt.step()
-    return float(loss.detach())
+    return d.sum([float(loss.detach()) / d.world])[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,6 +346,9 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
     if cfg.rollout.prompts_per_step % d.world:
         raise TrainingError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be "
                             f"divisible by the {d.world} ranks (whole groups stay on one rank)")
+    if cfg.warmup.steps and cfg.warmup.batch_size % d.world:
+        raise TrainingError(f"warmup.batch_size={cfg.warmup.batch_size} must be divisible by "
+                            f"the {d.world} ranks (each scores its share of the batch)")
     if not resume and latest_checkpoint(run_dir) is not None:
         raise TrainingError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
                             f"continue it or choose a new --output-dir")
@@ -361,16 +367,23 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
     if ckpt is not None:  # weights and RNG now, the optimiser's state once it is built
         state = load_checkpoint(ckpt, model)
         log.info("resumed from %s at step %d", ckpt, state["step"])
-    elif cfg.warmup.steps > 0:
+    broadcast_weights(model, d)  # every rank starts from rank 0's weights
+    a = cfg.algorithm
+    mode = data_parallel_mode(cfg, d)
+    # copies while the weights are whole (FSDP2 shards them in place); refreshed after warm-up
+    engine = make_engine(model, tokenizer, cfg, own_copy=mode == "fsdp")
+    ref_policy = Policy(copy.deepcopy(model).eval()) if a.beta > 0 else None
+    policy = wrap_policy(model, d, mode)
+    if ckpt is None and cfg.warmup.steps > 0:
         t0 = time.perf_counter()
-        loss = warmup(model, tokenizer, train_rows, solution, cfg)
+        loss = warmup(policy, model, tokenizer, train_rows, solution, cfg, d)
         warmup_s = time.perf_counter() - t0
         log.info("warm-up: %d steps, final loss %.4f, %.1fs", cfg.warmup.steps, loss, warmup_s)
-    broadcast_weights(model, d)  # before the engine's and the reference's copies
-    mode = data_parallel_mode(cfg, d)
-    engine = make_engine(model, tokenizer, cfg, own_copy=mode == "fsdp")
+        weights = full_weights(policy, model)
+        engine.load_weights(weights)
+        if ref_policy is not None:
+            ref_policy.model.load_state_dict(weights)
     routing = RoutingRecorder(model) if is_moe(model) else None
-    a = cfg.algorithm
     if a.routing_replay and routing is None:
         raise TrainingError(f"algorithm.routing_replay=true needs a Mixture-of-Experts model "
                             f"with top-k routers (e.g. model.name_or_path=tiny-qwen3-moe); "
@@ -384,8 +397,6 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
     gen = torch.Generator().manual_seed(t.seed)
     if "update_rng" in state:
         gen.set_state(state["update_rng"])
-    ref_policy = Policy(copy.deepcopy(model).eval()) if a.beta > 0 else None
-    policy = wrap_policy(model, d, mode)  # FSDP2 shards the parameters in place: optimiser after
     optimizer, scheduler = build_optimizer(model, cfg.optim.lr, cfg)
     if ckpt is not None:
         optimizer_state, scheduler_state = read_training_state(ckpt)
