@@ -171,14 +171,26 @@ def test_generate_restores_train_mode_and_returns_trainable_tensors(model, promp
 def test_load_weights_is_noop_for_own_weights_and_copies_others(tok, model, prompts):
     engine = HFEngine(copy.deepcopy(model))
     before = engine.model.model.embed_tokens.weight.data_ptr()
-    engine.load_weights(engine.model.state_dict())
+    engine.load_weights(engine.model.state_dict().items())
     assert engine.model.model.embed_tokens.weight.data_ptr() == before
 
     other = build_tiny_qwen3(tok, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, seed=9)
-    engine.load_weights(other.state_dict())
+    engine.load_weights(iter(other.state_dict().items()))  # one pass over an iterator
     params = SamplingParams(max_new_tokens=6)
     expected = HFEngine(other).generate(prompts, 2, params, seed=1).response_ids
     assert torch.equal(engine.generate(prompts, 2, params, seed=1).response_ids, expected)
+
+
+def test_load_weights_rejects_unknown_and_missing_tensors(tok, model):
+    engine = HFEngine(copy.deepcopy(model))
+    weights = dict(model.state_dict())
+    with pytest.raises(KeyError, match="'extra.weight' is not a weight"):
+        engine.load_weights([*weights.items(), ("extra.weight", torch.zeros(1))])
+    weights.pop("model.norm.weight")
+    with pytest.raises(KeyError, match="model.norm.weight"):
+        engine.load_weights(weights.items())
+    tied = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    engine.load_weights(tied.items())  # a tied alias needs no tensor of its own
 
 
 # --- the fast path: same rollouts as the plain loop ----------------------------------------------

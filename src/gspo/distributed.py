@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from typing import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -224,6 +225,18 @@ def full_weights(policy: torch.nn.Module, model: torch.nn.Module, main_only: boo
     sd = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True,
                                                                cpu_offload=main_only))
     return {k.removeprefix("model."): v for k, v in sd.items()}
+
+
+def iter_weights(policy: torch.nn.Module, model: torch.nn.Module
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) for the rollout engine, one at a time. Sharded: each tensor is
+    all-gathered when it is asked for, so the extra memory is one tensor, not a second model;
+    every rank must consume the whole iterator (each step is a collective)."""
+    if not is_sharded(policy):
+        yield from model.state_dict().items()
+        return
+    for name, t in policy.state_dict().items():
+        yield name.removeprefix("model."), as_local(t)
 
 
 def checkpoint_state(policy: torch.nn.Module, model: torch.nn.Module,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -95,8 +95,9 @@ class RolloutEngine(Protocol):
         """n samples per prompt, prompt-major; the same seed gives the same rollouts."""
         ...
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Make the sampler's policy equal to these weights."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Make the sampler's policy equal to these (name, tensor) pairs, transformers' names;
+        consumed one at a time, so a producer may gather each tensor only when it is asked."""
         ...
 
 
@@ -198,12 +199,21 @@ class HFEngine:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._keep_kwarg = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy weights in, unless they already are this model's own tensors (the default setup)."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each tensor in, unless it already is this model's own (the default setup)."""
         own = self.model.state_dict()
-        if all(k in own and own[k].data_ptr() == v.data_ptr() for k, v in state_dict.items()):
-            return
-        self.model.load_state_dict(state_dict)
+        seen = set()
+        with torch.no_grad():
+            for name, t in weights:
+                if name not in own:
+                    raise KeyError(f"load_weights: '{name}' is not a weight of the sampler's "
+                                   f"{type(self.model).__name__}")
+                if own[name].data_ptr() != t.data_ptr():
+                    own[name].copy_(t)
+                seen.add(own[name].data_ptr())
+        missing = [k for k, v in own.items() if v.data_ptr() not in seen]  # tied aliases count
+        if missing:
+            raise KeyError(f"load_weights: no tensor given for {missing[:5]}")
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams, seed: int) -> Rollouts:
         """n samples per prompt, prompt-major; eval mode during decoding, the previous mode after."""

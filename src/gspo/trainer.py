@@ -36,7 +36,7 @@ from gspo.checkpoint import (latest_checkpoint, load_checkpoint, read_training_s
 from gspo.config import Config, save_config
 from gspo.data import encode_prompts, score
 from gspo.distributed import (Dist, Policy, as_local, broadcast_weights, checkpoint_state,
-                               fsdp_available, full_weights, init_distributed,
+                               fsdp_available, init_distributed, iter_weights,
                                load_optimizer_state, no_sync, wrap_policy)
 from gspo.evaluate import decode_responses, evaluate
 from gspo.logger import MetricsLogger
@@ -379,10 +379,9 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
         loss = warmup(policy, model, tokenizer, train_rows, solution, cfg, d)
         warmup_s = time.perf_counter() - t0
         log.info("warm-up: %d steps, final loss %.4f, %.1fs", cfg.warmup.steps, loss, warmup_s)
-        weights = full_weights(policy, model)
-        engine.load_weights(weights)
+        engine.load_weights(iter_weights(policy, model))
         if ref_policy is not None:
-            ref_policy.model.load_state_dict(weights)
+            ref_policy.model.load_state_dict(dict(iter_weights(policy, model)))
     routing = RoutingRecorder(model) if is_moe(model) else None
     if a.routing_replay and routing is None:
         raise TrainingError(f"algorithm.routing_replay=true needs a Mixture-of-Experts model "
@@ -508,7 +507,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     # ---- minibatch updates
     t2 = time.perf_counter()
     m = update(run, rollouts, old_logp, ref_logp, adv)
-    run.engine.load_weights(full_weights(run.policy, run.model))
+    run.engine.load_weights(iter_weights(run.policy, run.model))
     t_update = time.perf_counter() - t2
     if run.routing:
         m.update(moe_metrics(run.policy, run.routing, rollouts, cfg, run.micro, run.dist))

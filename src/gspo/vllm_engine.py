@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import Iterable
 
 import torch
 
@@ -63,9 +64,9 @@ class VLLMEngine:
         worker = getattr(worker, "worker", worker)  # V1 wraps the worker once more
         return worker.model_runner.model
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Push the trainer's weights into vLLM's model (names as transformers saves them)."""
-        self._model().load_weights(((k, v) for k, v in state_dict.items()))
+        self._model().load_weights(weights)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
