@@ -74,8 +74,13 @@ def save(run, out: str, metrics: dict) -> None:
     # FSDP, so gathered (a collective) on every rank
     grads = {k: as_local(p.grad).clone() for k, p in run.model.named_parameters()}
     params = {k: v.detach().clone() for k, v in full_weights(run.policy, run.model).items()}
+    # how far the rollout engine's and pi_ref's copies are from the trained weights
+    copies = {"engine": run.engine.model.state_dict(),
+              "ref": run.ref_policy.model.state_dict() if run.ref_policy else params}
+    diffs = {name: max(float((sd[k] - v).abs().max()) for k, v in params.items())
+             for name, sd in copies.items()}
     if run.dist.is_main:
-        torch.save({"params": params, "grads": grads, "metrics": metrics,
+        torch.save({"params": params, "grads": grads, "metrics": metrics, "copy_diffs": diffs,
                     "sharded": type(run.model.lm_head.weight).__name__ == "DTensor"}, out)
 
 

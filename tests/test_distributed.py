@@ -186,13 +186,14 @@ def test_a_device_this_machine_lacks_is_a_clear_error(spec, message):
     assert resolve_device("auto") == torch.device("cpu") == resolve_device("cpu")
 
 
-def test_ranks_start_from_rank_0s_weights(tmp_path):
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_ranks_start_from_rank_0s_weights(tmp_path, mode):
     # a run whose ranks built different models (another seed per rank) still trains one model:
     # rank 0's weights are broadcast before sharding, so the 2-rank update equals the 1-process one
     common = MODEL + ["algorithm=gspo", "rollout.prompts_per_step=4", "rollout.group_size=4",
                       "algorithm.minibatches=1", "warmup.steps=0"]
     torchrun(1, str(WORKER), str(tmp_path / "one.pt"), *common)
-    torchrun(2, str(WORKER), str(tmp_path / "two.pt"), *common, "train.data_parallel=fsdp",
+    torchrun(2, str(WORKER), str(tmp_path / "two.pt"), *common, f"train.data_parallel={mode}",
              "seed_per_rank=1")
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     for k, v in one["params"].items():
@@ -204,10 +205,13 @@ def test_two_ranks_share_the_warm_up_and_give_the_single_process_result(tmp_path
     # each rank scores half of every warm-up batch; global token counts make the gradient the
     # whole batch's (answers differ in length, so a mean of per-rank means would not be)
     common = MODEL + ["warmup.steps=3", "warmup.batch_size=6", "rollout.prompts_per_step=2",
-                      "rollout.group_size=2", "algorithm.minibatches=1", "warmup_only=1"]
+                      "rollout.group_size=2", "algorithm.minibatches=1", "warmup_only=1",
+                      "algorithm.beta=0.1"]
     torchrun(1, str(WORKER), str(tmp_path / "one.pt"), *common)
     torchrun(2, str(WORKER), str(tmp_path / "two.pt"), *common, f"train.data_parallel={mode}")
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    # the engine's copy (FSDP: its own) and pi_ref hold the warmed-up weights, not the initial
+    assert one["copy_diffs"] == two["copy_diffs"] == {"engine": 0.0, "ref": 0.0}
     for k, g in one["grads"].items():  # the last warm-up step's gradient
         torch.testing.assert_close(two["grads"][k], g, rtol=1e-4, atol=1e-6, msg=k)
     # Adam's per-element normalisation amplifies float noise where a gradient is ~0

@@ -191,6 +191,9 @@ def test_load_weights_rejects_unknown_and_missing_tensors(tok, model):
         engine.load_weights(weights.items())
     tied = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     engine.load_weights(tied.items())  # a tied alias needs no tensor of its own
+    tied["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_weights(tied.items())
 
 
 # --- the fast path: same rollouts as the plain loop ----------------------------------------------

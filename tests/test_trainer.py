@@ -71,11 +71,12 @@ def _strip_timing(rows):
             for r in rows]
 
 
-@pytest.mark.parametrize("algorithm", ["gspo", "grpo"])
+@pytest.mark.parametrize("algorithm", [["algorithm=gspo"], ["algorithm=grpo"],
+                                       ["algorithm=gspo", "algorithm.beta=0.5"]])  # + pi_ref
 def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, tiny_overrides, algorithm,
                                                          dense_reward):
-    base = tiny_overrides + [f"algorithm={algorithm}", "train.steps=4", "train.eval_every=2",
-                             "train.save_every=2"]
+    base = tiny_overrides + algorithm + ["train.steps=4", "train.eval_every=2",
+                                         "train.save_every=2"]
     train(load_config(overrides=base), tmp_path / "full")
     # the same run stopped after step 2, then resumed to step 4
     train(load_config(overrides=base + ["train.steps=2"]), tmp_path / "cut")

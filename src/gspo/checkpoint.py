@@ -5,6 +5,7 @@ A checkpoint is `run_dir/checkpoints/step_{step:06d}/` holding
     model.safetensors (or shards + index), config.json, generation_config.json
     tokenizer files                       -> loadable by plain `from_pretrained`
     trainer_state.pt                      -> optimizer, scheduler, trainer dict, RNG states
+    reference.pt (only with a KL penalty) -> pi_ref's weights, the policy RL started from
 
 Writes are atomic: everything goes into a hidden temp dir next to the final one, is fsynced,
 then renamed into place, so a directory named `step_*` is always complete. A crash leaves at
@@ -33,6 +34,7 @@ import torch
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 STATE_FILE = "trainer_state.pt"
+REFERENCE_FILE = "reference.pt"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _HIDDEN_PREFIXES = (".tmp-", ".trash-", ".old-")
@@ -52,6 +54,7 @@ def save_checkpoint(
     keep_last: int = 3,
     weights: dict[str, torch.Tensor] | None = None,
     optimizer_state: dict | None = None,
+    reference: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically, point `latest` at it, prune old ones; return its path.
 
@@ -60,7 +63,7 @@ def save_checkpoint(
     `tokenizer`, `optimizer` and `scheduler` may be None (e.g. a weights-only final save).
     `keep_last <= 0` keeps every checkpoint; the one just written is never pruned.
     `weights` / `optimizer_state` replace model.state_dict() / optimizer.state_dict() (a
-    sharded model's gathered state).
+    sharded model's gathered state). `reference`: pi_ref's state dict, kept for a resume.
     """
     ckpts = Path(run_dir) / CHECKPOINTS_DIR
     ckpts.mkdir(parents=True, exist_ok=True)
@@ -76,6 +79,8 @@ def save_checkpoint(
             optimizer_state = optimizer.state_dict()
         torch.save(_trainer_payload(step, optimizer_state, scheduler, trainer_state),
                    tmp / STATE_FILE)
+        if reference is not None:
+            torch.save(reference, tmp / REFERENCE_FILE)
         _fsync_tree(tmp)
         final = _publish(tmp, ckpts / name)
     except BaseException:
@@ -250,6 +255,12 @@ def load_checkpoint(
     state = dict(payload["trainer_state"])
     state.setdefault("step", payload["step"])
     return state
+
+
+def read_reference(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor] | None:
+    """pi_ref's weights saved with the checkpoint, or None when it holds none."""
+    path = Path(ckpt_dir) / REFERENCE_FILE
+    return torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None
 
 
 def read_training_state(ckpt_dir: str | os.PathLike) -> tuple[dict, dict]:

@@ -236,7 +236,9 @@ def iter_weights(policy: torch.nn.Module, model: torch.nn.Module
         yield from model.state_dict().items()
         return
     for name, t in policy.state_dict().items():
-        yield name.removeprefix("model."), as_local(t)
+        name = name.removeprefix("model.")
+        if name not in policy.aliases:  # a tied weight is gathered once
+            yield name, as_local(t)
 
 
 def checkpoint_state(policy: torch.nn.Module, model: torch.nn.Module,

@@ -101,6 +101,28 @@ class RolloutEngine(Protocol):
         ...
 
 
+def copy_weights_(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy (name, tensor) pairs into `model`'s own tensors in place, one at a time (casting to
+    its dtype); a tensor that already is the model's own is skipped. Every weight must be given
+    once (a tied alias counts as given with the tensor it shares), with its shape."""
+    own = model.state_dict()
+    seen = set()
+    with torch.no_grad():
+        for name, t in weights:
+            if name not in own:
+                raise KeyError(f"load_weights: '{name}' is not a weight of the "
+                               f"{type(model).__name__}")
+            if own[name].shape != t.shape:
+                raise ValueError(f"load_weights: '{name}' has shape {tuple(t.shape)}, the model's "
+                                 f"{tuple(own[name].shape)}")
+            if own[name].data_ptr() != t.data_ptr():
+                own[name].copy_(t)
+            seen.add(own[name].data_ptr())
+    missing = [k for k, v in own.items() if v.data_ptr() not in seen]
+    if missing:
+        raise KeyError(f"load_weights: no tensor given for {missing[:5]}")
+
+
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack token-id lists into left-padded ids (B, Lp) and mask (B, Lp)."""
     Lp = max(len(p) for p in prompts)
@@ -201,19 +223,7 @@ class HFEngine:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy each tensor in, unless it already is this model's own (the default setup)."""
-        own = self.model.state_dict()
-        seen = set()
-        with torch.no_grad():
-            for name, t in weights:
-                if name not in own:
-                    raise KeyError(f"load_weights: '{name}' is not a weight of the sampler's "
-                                   f"{type(self.model).__name__}")
-                if own[name].data_ptr() != t.data_ptr():
-                    own[name].copy_(t)
-                seen.add(own[name].data_ptr())
-        missing = [k for k, v in own.items() if v.data_ptr() not in seen]  # tied aliases count
-        if missing:
-            raise KeyError(f"load_weights: no tensor given for {missing[:5]}")
+        copy_weights_(self.model, weights)
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams, seed: int) -> Rollouts:
         """n samples per prompt, prompt-major; eval mode during decoding, the previous mode after."""

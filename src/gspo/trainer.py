@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from gspo.checkpoint import (latest_checkpoint, load_checkpoint, read_training_state,
-                             save_checkpoint)
+from gspo.checkpoint import (latest_checkpoint, load_checkpoint, read_reference,
+                             read_training_state, save_checkpoint)
 from gspo.config import Config, save_config
 from gspo.data import encode_prompts, score
 from gspo.distributed import (Dist, Policy, as_local, broadcast_weights, checkpoint_state,
@@ -45,8 +45,8 @@ from gspo.models import (build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer
 from gspo.moe import RoutingRecorder, expert_counts, expert_volatility, is_moe, load_summary
 from gspo.objectives import (OBJECTIVES, engine_mismatch, group_advantages, kl_k3,
                              truncated_is_weights)
-from gspo.rollout import (HFEngine, RolloutEngine, Rollouts, SamplingParams, left_pad,
-                          right_pad)
+from gspo.rollout import (HFEngine, RolloutEngine, Rollouts, SamplingParams, copy_weights_,
+                          left_pad, right_pad)
 from gspo.tasks import build_task
 
 log = logging.getLogger(__name__)
@@ -346,9 +346,7 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
     if cfg.rollout.prompts_per_step % d.world:
         raise TrainingError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be "
                             f"divisible by the {d.world} ranks (whole groups stay on one rank)")
-    if cfg.warmup.steps and cfg.warmup.batch_size % d.world:
-        raise TrainingError(f"warmup.batch_size={cfg.warmup.batch_size} must be divisible by "
-                            f"the {d.world} ranks (each scores its share of the batch)")
+
     if not resume and latest_checkpoint(run_dir) is not None:
         raise TrainingError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
                             f"continue it or choose a new --output-dir")
@@ -363,6 +361,11 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
 
     model, tokenizer = build_model(cfg, d.device)
     train_rows, eval_rows, reward_fn, solution = build_task(cfg.data)
+    warm_batch = min(cfg.warmup.batch_size, len(train_rows))
+    if cfg.warmup.steps and not resume and warm_batch % d.world:
+        raise TrainingError(f"the warm-up batch ({warm_batch} = min(warmup.batch_size, training "
+                            f"rows)) must be divisible by the {d.world} ranks (each scores its "
+                            f"share of the batch)")
     state, warmup_s = {}, 0.0
     if ckpt is not None:  # weights and RNG now, the optimiser's state once it is built
         state = load_checkpoint(ckpt, model)
@@ -380,8 +383,15 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
         warmup_s = time.perf_counter() - t0
         log.info("warm-up: %d steps, final loss %.4f, %.1fs", cfg.warmup.steps, loss, warmup_s)
         engine.load_weights(iter_weights(policy, model))
-        if ref_policy is not None:
-            ref_policy.model.load_state_dict(dict(iter_weights(policy, model)))
+        if ref_policy is not None:  # pi_ref: the policy RL starts from
+            copy_weights_(ref_policy.model, iter_weights(policy, model))
+    if ref_policy is not None and ckpt is not None:
+        reference = read_reference(ckpt)
+        if reference is None:
+            raise TrainingError(f"algorithm.beta={a.beta} needs pi_ref, but {ckpt} holds no "
+                                f"reference.pt (saved without a KL penalty); resume with "
+                                f"algorithm.beta=0 or start a new run")
+        ref_policy.model.load_state_dict(reference)
     routing = RoutingRecorder(model) if is_moe(model) else None
     if a.routing_replay and routing is None:
         raise TrainingError(f"algorithm.routing_replay=true needs a Mixture-of-Experts model "
@@ -560,13 +570,14 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Summary:
         if (t.save_every > 0 and done % t.save_every == 0) or done == t.steps:
             # DDP: every rank holds the same state, rank 0's is the run's; FSDP: gathered to 0
             weights, optimizer_state = checkpoint_state(run.policy, run.model, run.optimizer)
+            reference = run.ref_policy.model.state_dict() if run.ref_policy else None
             if run.dist.is_main:
                 save_checkpoint(run.run_dir, done, run.model, run.tokenizer, run.optimizer,
                                 run.scheduler, {"step": done, "start_accuracy": start_acc,
                                                 "final_accuracy": final_acc,
                                                 "update_rng": run.gen.get_state()},
                                 keep_last=t.keep_last, weights=weights,
-                                optimizer_state=optimizer_state)
+                                optimizer_state=optimizer_state, reference=reference)
         run.dist.barrier()
     logger.close()
     return Summary(run.run_dir, start_acc, final_acc, run.warmup_s,
