@@ -292,7 +292,7 @@ def _load_weights(ckpt_dir: Path, model) -> None:
     if not _keys_match(model, state):
         state = _state_via_from_pretrained(ckpt_dir, model)
     result = model.load_state_dict(state, strict=False)
-    untied = _untied_missing(model, set(result.missing_keys))
+    untied = untied_missing(model, set(result.missing_keys))
     if result.unexpected_keys or untied:
         raise ValueError(
             f"checkpoint {ckpt_dir} does not match the model: missing {sorted(untied)[:5]}, "
@@ -319,10 +319,10 @@ def _keys_match(model, state: dict) -> bool:
     expected = model.state_dict()
     if set(state) - set(expected):
         return False
-    return not _untied_missing(model, set(expected) - set(state), expected)
+    return not untied_missing(model, set(expected) - set(state), expected)
 
 
-def _untied_missing(model, missing: set[str], expected: dict | None = None) -> set[str]:
+def untied_missing(model, missing: set[str], expected: dict | None = None) -> set[str]:
     """The missing keys that do not share storage with a present key (i.e. truly missing)."""
     if not missing:
         return set()

@@ -371,9 +371,10 @@ def token_logprobs(
     """
     # Columns past the longest response are padding in every row: not computed, returned as 0.
     T = max(1, int(attention_mask[:, input_ids.shape[1] - n_response:].sum(-1).max()))
-    share = share_prompts and _can_share_prompts(model, attention_mask[:, :input_ids.shape[1] - n_response])
-    n_out = n_response
-    if sync_max is not None:
+    share, n_out = share_prompts, n_response
+    if sync_max is not None:  # decoder_hidden re-checks `share` on this rank's own prompts
+        prompt_mask = attention_mask[:, :input_ids.shape[1] - n_response]
+        share = share and _can_share_prompts(model, prompt_mask)
         T, unshared = sync_max([T, int(not share)])
         share = not unshared
         if T > n_response:  # another rank's responses are longer: compute masked columns too

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from gspo.checkpoint import untied_missing
 from gspo.models import position_ids_from_mask
 
 
@@ -106,7 +107,7 @@ def copy_weights_(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Ten
     its dtype); a tensor that already is the model's own is skipped. Every weight must be given
     once (a tied alias counts as given with the tensor it shares), with its shape."""
     own = model.state_dict()
-    seen = set()
+    given = set()
     with torch.no_grad():
         for name, t in weights:
             if name not in own:
@@ -117,10 +118,10 @@ def copy_weights_(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Ten
                                  f"{tuple(own[name].shape)}")
             if own[name].data_ptr() != t.data_ptr():
                 own[name].copy_(t)
-            seen.add(own[name].data_ptr())
-    missing = [k for k, v in own.items() if v.data_ptr() not in seen]
+            given.add(name)
+    missing = untied_missing(model, set(own) - given, own)
     if missing:
-        raise KeyError(f"load_weights: no tensor given for {missing[:5]}")
+        raise KeyError(f"load_weights: no tensor given for {sorted(missing)[:5]}")
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

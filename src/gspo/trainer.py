@@ -346,7 +346,6 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
     if cfg.rollout.prompts_per_step % d.world:
         raise TrainingError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be "
                             f"divisible by the {d.world} ranks (whole groups stay on one rank)")
-
     if not resume and latest_checkpoint(run_dir) is not None:
         raise TrainingError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
                             f"continue it or choose a new --output-dir")
@@ -481,8 +480,9 @@ def old_policy(run: Run, r: Rollouts, step: int) -> tuple[torch.Tensor, torch.Te
             run.routing.allocate("old", r.input_ids.shape[0], r.input_ids.shape[1] - 1)
         train_logp, entropy = policy_logprobs(run.policy, r, temp, run.micro, chunk, True,
                                               route=run.routing.record if record else None)
-        mismatch = {k: float(v) for k, v in engine_mismatch(train_logp, r.logp, r.response_mask).items()}
-        metrics = {f"mismatch/{k}": v for k, v in reduce_mismatch(mismatch, r, run.dist).items()}
+        mismatch = engine_mismatch(train_logp, r.logp, r.response_mask)
+        mismatch = reduce_mismatch({k: float(v) for k, v in mismatch.items()}, r, run.dist)
+        metrics = {f"mismatch/{k}": v for k, v in mismatch.items()}
     if use_rollout:
         return r.logp, -r.logp, metrics
     return train_logp, entropy, metrics
