@@ -44,7 +44,8 @@ def main(argv=None) -> int:
 
     from gspo.data import encode_prompts
     from gspo.models import build_tiny_qwen3, build_tokenizer
-    from gspo.rollout import HFEngine, SamplingParams, left_pad
+    from gspo.engines.hf import HFEngine
+    from gspo.engines import SamplingParams, left_pad
     from gspo.tasks.arithmetic import make_splits
 
     if a.threads:

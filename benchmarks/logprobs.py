@@ -47,7 +47,7 @@ def worker(a) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from gspo.models import logprobs_from_hidden
+    from gspo.logprobs import logprobs_from_hidden
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -13,7 +13,7 @@ import torch
 
 from gspo.config import load_config
 from gspo.distributed import as_local, full_weights, shutdown
-from gspo.rollout import Rollouts
+from gspo.engines import Rollouts
 from gspo.trainer import prepare, update
 
 

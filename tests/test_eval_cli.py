@@ -9,7 +9,7 @@ from gspo.config import DataConfig
 from gspo.eval_cli import format_table, report_records
 from gspo.evaluate import evaluate
 from gspo.models import build_tiny_qwen3
-from gspo.rollout import Rollouts, SamplingParams, left_pad
+from gspo.engines import Rollouts, SamplingParams, left_pad
 from gspo.tasks import build_reward
 from gspo.tasks.datasets import load_rows
 

@@ -2,17 +2,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gspo.models import (
-    ModelLoadError,
-    _looks_like_path,
-    build_tiny_qwen3,
-    build_tiny_qwen3_moe,
-    build_tokenizer,
-    load_model,
-    logprobs_from_hidden,
-    position_ids_from_mask,
-    token_logprobs,
-)
+from gspo.models import (ModelLoadError, _looks_like_path, build_tiny_qwen3, build_tiny_qwen3_moe,
+                         build_tokenizer, load_model)
+from gspo.logprobs import logprobs_from_hidden, position_ids_from_mask, token_logprobs
 
 
 # --- tokenizer ---------------------------------------------------------------------------------

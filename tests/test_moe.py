@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from gspo.models import build_tiny_qwen3_moe, token_logprobs
+from gspo.models import build_tiny_qwen3_moe
+from gspo.logprobs import token_logprobs
 from gspo.moe import RoutingRecorder, expert_volatility, find_routers, load_stats
 
 

@@ -9,7 +9,8 @@ import gspo.trainer as trainer
 from gspo.config import ConfigError, load_config
 from gspo.logger import read_metrics
 from gspo.objectives import engine_mismatch, truncated_is_weights
-from gspo.vllm_engine import to_rollouts, vllm_available
+from gspo.engines import to_rollouts
+from gspo.engines.vllm import vllm_available
 
 
 class ForwardCounter:
@@ -17,7 +18,9 @@ class ForwardCounter:
 
     def __init__(self, monkeypatch):
         self.reset()
-        real = trainer.token_logprobs
+        import gspo.logprobs
+
+        real = gspo.logprobs.token_logprobs
 
         def counted(*args, **kwargs):
             if torch.is_grad_enabled():
@@ -26,12 +29,9 @@ class ForwardCounter:
                 self.no_grad += 1
             return real(*args, **kwargs)
 
-        import gspo.models
-
-        # the trainer's no-grad passes call its import; the update pass goes through
-        # gspo.distributed.Policy, which calls gspo.models.token_logprobs
-        monkeypatch.setattr(trainer, "token_logprobs", counted)
-        monkeypatch.setattr(gspo.models, "token_logprobs", counted)
+        # every forward of the training model goes through gspo.distributed.Policy, which
+        # calls gspo.logprobs.token_logprobs
+        monkeypatch.setattr(gspo.logprobs, "token_logprobs", counted)
 
     def reset(self):
         self.no_grad = self.grad = 0
@@ -166,9 +166,10 @@ def test_to_rollouts_pads_like_the_hf_engine():
 @pytest.mark.gpu
 @pytest.mark.skipif(not vllm_available(), reason="vLLM and a CUDA GPU are not available here")
 def test_vllm_engine_logprobs_match_the_trainer(tok):
-    from gspo.models import build_tiny_qwen3, token_logprobs
-    from gspo.rollout import SamplingParams
-    from gspo.vllm_engine import VLLMEngine
+    from gspo.models import build_tiny_qwen3
+    from gspo.logprobs import token_logprobs
+    from gspo.engines import SamplingParams
+    from gspo.engines.vllm import VLLMEngine
 
     model = build_tiny_qwen3(tok, hidden_size=256, num_heads=4, num_kv_heads=2).cuda()
     engine = VLLMEngine(model, tok, dtype="float32", gpu_memory_utilization=0.2)
@@ -186,7 +187,7 @@ def test_vllm_engine_without_vllm_is_a_clear_import_error(tok):
     except ImportError:
         pass
     from gspo.models import build_tiny_qwen3
-    from gspo.vllm_engine import VLLMEngine
+    from gspo.engines.vllm import VLLMEngine
 
     with pytest.raises(ImportError, match="gspo\\[vllm\\]"):
         VLLMEngine(build_tiny_qwen3(tok, hidden_size=32, num_layers=1, num_heads=2,

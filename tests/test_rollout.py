@@ -3,8 +3,11 @@ import copy
 import pytest
 import torch
 
-from gspo.models import build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer, token_logprobs
-from gspo.rollout import FastDecoder, HFEngine, Rollouts, SamplingParams, left_pad, sample_next, top_p_filter
+from gspo.models import build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer
+from gspo.logprobs import token_logprobs
+from gspo.engines.fast_decoder import FastDecoder
+from gspo.engines.hf import HFEngine, sample_next, top_p_filter
+from gspo.engines import Rollouts, SamplingParams, left_pad
 
 
 @pytest.fixture(scope="module")

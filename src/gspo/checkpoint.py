@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gspo.weights import untied_missing
+
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 STATE_FILE = "trainer_state.pt"
@@ -320,15 +322,6 @@ def _keys_match(model, state: dict) -> bool:
     if set(state) - set(expected):
         return False
     return not untied_missing(model, set(expected) - set(state), expected)
-
-
-def untied_missing(model, missing: set[str], expected: dict | None = None) -> set[str]:
-    """The missing keys that do not share storage with a present key (i.e. truly missing)."""
-    if not missing:
-        return set()
-    expected = expected if expected is not None else model.state_dict()
-    present = {expected[k].data_ptr() for k in expected if k not in missing}
-    return {k for k in missing if expected[k].data_ptr() not in present}
 
 
 def _state_via_from_pretrained(ckpt_dir: Path, model) -> dict[str, torch.Tensor]:

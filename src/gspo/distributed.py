@@ -143,7 +143,7 @@ class Policy(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, n_response: int, temperature: float = 1.0,
                 chunk_size: int = 1024, with_entropy: bool = False, share_prompts: bool = True):
-        from gspo.models import token_logprobs
+        from gspo.logprobs import token_logprobs
         return token_logprobs(self.model, input_ids, attention_mask, n_response, temperature,
                               chunk_size, with_entropy, share_prompts=share_prompts,
                               sync_max=self.sync_max)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 from gspo.evaluate import EvalResult, evaluate, pass_at_k
-from gspo.rollout import SamplingParams
+from gspo.engines import SamplingParams
 
 USAGE_ERROR = 2
 TABLE_ROWS = 50  # problems printed; the JSONL always has them all
@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
                    "(each sampled K times)")
     p.add_argument("--limit", type=int, default=0, help="only the first N problems (0 = all)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--engine", default="hf", help="rollout engine: hf | vllm (see gspo.engines)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("overrides", nargs="*", metavar="data.key=value", help="data config overrides")
     return p
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(str(e)) from None
         data_cfg, rows, reward_fn = load_eval_task(args.task, args.data, args.overrides,
                                                    args.limit)
-        engine, tokenizer = load_engine(args.model, args.dtype, args.device)
+        engine, tokenizer = load_engine(args.model, args.dtype, args.device, args.engine,
+                                        args.seed)
         t0 = time.perf_counter()
         try:
             result = evaluate(engine, tokenizer, rows, reward_fn, args.k, params, args.seed,
@@ -110,13 +112,14 @@ def load_eval_task(task: str, data: str, overrides: Sequence[str], limit: int = 
     return d, rows[:limit] if limit else rows, build_reward(d)
 
 
-def load_engine(model_path: str, dtype: str = "float32", device: str | None = None):
-    """(HFEngine, tokenizer) of a model directory, hub id or 'tiny-qwen3'."""
+def load_engine(model_path: str, dtype: str = "float32", device: str | None = None,
+                engine: str = "hf", seed: int = 0):
+    """(rollout engine `engine`, tokenizer) of a model directory, hub id or 'tiny-qwen3'."""
     import torch
     import transformers
 
-    from gspo.models import build_tiny_qwen3, build_tokenizer, load_model, stop_token_ids
-    from gspo.rollout import HFEngine
+    from gspo.engines import make_engine
+    from gspo.models import build_tiny_qwen3, build_tokenizer, load_model
 
     transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -125,8 +128,7 @@ def load_engine(model_path: str, dtype: str = "float32", device: str | None = No
         model = build_tiny_qwen3(tokenizer).to(device)
     else:
         model, tokenizer = load_model(model_path, dtype=dtype, device=device)
-    return (HFEngine(model.eval(), eos_token_ids=stop_token_ids(model, tokenizer),
-                     pad_token_id=tokenizer.pad_token_id), tokenizer)
+    return make_engine(engine, model.eval(), tokenizer, dtype=dtype, seed=seed), tokenizer
 
 
 def report_records(result: EvalResult, rows: Sequence[dict], k: int) -> list[dict]:

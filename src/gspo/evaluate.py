@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from gspo.data import RewardFn, encode_prompts, score
-from gspo.rollout import RolloutEngine, SamplingParams
+from gspo.engines import RolloutEngine, SamplingParams
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -40,14 +40,14 @@ from gspo.distributed import (Dist, Policy, as_local, broadcast_weights, checkpo
                                load_optimizer_state, no_sync, wrap_policy)
 from gspo.evaluate import decode_responses, evaluate
 from gspo.logger import MetricsLogger
-from gspo.models import (build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer, load_model,
-                         stop_token_ids, token_logprobs)
+from gspo.engines import (RolloutEngine, Rollouts, SamplingParams, left_pad, make_engine,
+                          right_pad)
+from gspo.models import build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer, load_model
 from gspo.moe import RoutingRecorder, expert_counts, expert_volatility, is_moe, load_summary
 from gspo.objectives import (OBJECTIVES, engine_mismatch, group_advantages, kl_k3,
                              truncated_is_weights)
-from gspo.rollout import (HFEngine, RolloutEngine, Rollouts, SamplingParams, copy_weights_,
-                          left_pad, right_pad)
 from gspo.tasks import build_task
+from gspo.weights import copy_weights_
 
 log = logging.getLogger(__name__)
 
@@ -324,19 +324,19 @@ class Run:
     policy: torch.nn.Module                  # the model's log-prob forward: DDP / FSDP2 on >1 rank
 
 
-def make_engine(model, tokenizer, cfg: Config, own_copy: bool = False) -> RolloutEngine:
-    """The rollout engine; it shares the training model unless it samples in another dtype or
-    needs its own copy (the training model is about to be sharded)."""
+def build_engine(model, tokenizer, cfg: Config, own_copy: bool = False) -> RolloutEngine:
+    """The rollout engine rollout.engine names (gspo.engines.ENGINES), from the model's weights."""
     r = cfg.rollout
-    if r.engine == "vllm":
-        from gspo.vllm_engine import VLLMEngine
-        return VLLMEngine(model, tokenizer, dtype=r.dtype,
-                          gpu_memory_utilization=r.vllm_gpu_memory_utilization,
-                          seed=cfg.train.seed)
-    shared = r.dtype == cfg.model.dtype and not own_copy
-    sampler = model if shared else copy.deepcopy(model).to(getattr(torch, r.dtype))
-    return HFEngine(sampler, eos_token_ids=stop_token_ids(model, tokenizer),
-                    pad_token_id=tokenizer.pad_token_id)
+    options = engine_options(r)
+    return make_engine(r.engine, model, tokenizer, dtype=r.dtype, seed=cfg.train.seed,
+                       own_copy=own_copy, **options)
+
+
+def engine_options(r) -> dict:
+    """The engine-specific fields of a RolloutConfig, as keyword options of its factory."""
+    if r.engine != "vllm":
+        return {}
+    return {"gpu_memory_utilization": r.vllm_gpu_memory_utilization}
 
 
 def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
@@ -373,7 +373,7 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
     a = cfg.algorithm
     mode = data_parallel_mode(cfg, d)
     # copies while the weights are whole (FSDP2 shards them in place); refreshed after warm-up
-    engine = make_engine(model, tokenizer, cfg, own_copy=mode == "fsdp")
+    engine = build_engine(model, tokenizer, cfg, own_copy=mode == "fsdp")
     ref_policy = Policy(copy.deepcopy(model).eval()) if a.beta > 0 else None
     policy = wrap_policy(model, d, mode)
     if ckpt is None and cfg.warmup.steps > 0:
@@ -398,9 +398,10 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
                             f"{cfg.model.name_or_path} has none")
     rollout_routing = None
     if a.routing_replay and a.old_logprobs == "rollout":
-        if not isinstance(engine, HFEngine):
-            raise TrainingError("routing replay with old_logprobs=rollout needs the engine to "
-                                "record routing; only rollout.engine=hf does")
+        if not engine.records_routing:
+            raise TrainingError(f"routing replay with old_logprobs=rollout needs an engine that "
+                                f"records MoE routing; rollout.engine={cfg.rollout.engine} does "
+                                f"not (use rollout.engine=hf or algorithm.old_logprobs=recompute)")
         rollout_routing = RoutingRecorder(engine.model)
     gen = torch.Generator().manual_seed(t.seed)
     if "update_rng" in state:

@@ -23,7 +23,7 @@ from typing import Iterable
 
 import torch
 
-from gspo.rollout import Rollouts, SamplingParams, left_pad, right_pad
+from gspo.engines.base import Rollouts, SamplingParams, to_rollouts
 
 
 def vllm_available() -> bool:
@@ -83,13 +83,4 @@ class VLLMEngine:
                 logps.append([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
                 rows_prompts.append(prompt)
         return to_rollouts(rows_prompts, responses, logps, self.pad_token_id)
-
-
-def to_rollouts(prompts: list[list[int]], responses: list[list[int]], logps: list[list[float]],
-                pad_id: int) -> Rollouts:
-    """Pad per-row prompt / response / log-prob lists into a Rollouts batch."""
-    prompt_ids, prompt_mask = left_pad(prompts, pad_id)  # (B, Lp)
-    response_ids, response_mask = right_pad(responses, pad_id, min_len=1)  # (B, T)
-    logp, _ = right_pad(logps, 0.0, dtype=torch.float32, min_len=1)  # (B, T)
-    return Rollouts(prompt_ids, prompt_mask, response_ids, response_mask, logp)
 

@@ -1,0 +1,146 @@
+"""The engine contract: what every rollout engine takes and returns.
+
+- `SamplingParams`: how to sample; `Rollouts`: the padded batch every engine returns.
+- `RolloutEngine`: the Protocol (`generate`, `load_weights`, and the capability attributes).
+- `left_pad` / `right_pad` / `to_rollouts`: per-row lists into padded tensors.
+- `stop_token_ids`: the one set of tokens that ends a response, for every engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Protocol
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to sample each response."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax) decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: sample from the smallest set of tokens whose probability reaches top_p."""
+    max_new_tokens: int = 32
+    """Most tokens per response, eos included."""
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Rollouts:
+    """B = n_prompts * n sampled responses, laid out prompt-major: [p0s0, p0s1, ..., p1s0, ...].
+
+    `logp` is the sampler's log-prob of each sampled token under the temperature-scaled
+    distribution, softmax(logits / temperature), taken BEFORE top-p truncation: that is the
+    distribution `token_logprobs(..., temperature)` recomputes, so the two agree and the
+    rollout log-probs can serve as pi_old. (With top_p < 1 the tokens were drawn from the
+    truncated distribution; the untruncated log-prob is the policy's likelihood we optimise.)
+    For greedy decoding (temperature 0) `logp` is taken under temperature 1.
+    """
+
+    prompt_ids: torch.Tensor
+    """(B, Lp) long, left-padded with the pad id."""
+    prompt_mask: torch.Tensor
+    """(B, Lp) long, 1 on real prompt tokens."""
+    response_ids: torch.Tensor
+    """(B, T) long, right-padded with the pad id after each row's eos."""
+    response_mask: torch.Tensor
+    """(B, T) float, 1 on every generated token up to and including eos, 0 after."""
+    logp: torch.Tensor
+    """(B, T) float, the sampler's log-prob of each response token (see above), 0 where masked."""
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)  # (B, Lp + T)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)  # (B, Lp + T)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(-1).long()  # (B,)
+
+    def to(self, device: torch.device) -> "Rollouts":
+        """The same rollouts on `device` (self when already there)."""
+        if self.response_ids.device == torch.device(device):
+            return self
+        return Rollouts(**{k: v.to(device) for k, v in vars(self).items()})
+
+
+class RolloutEngine(Protocol):
+    """Anything that samples responses to token-id prompts and can take new policy weights.
+
+    Capabilities are attributes, so the trainer asks instead of checking types."""
+
+    records_routing: bool
+    """Whether `model` is an in-process torch module whose MoE routers can be recorded while it
+    generates (Routing Replay with old_logprobs=rollout)."""
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams, seed: int) -> Rollouts:
+        """n samples per prompt, prompt-major; the same seed gives the same rollouts."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Make the sampler's policy equal to these (name, tensor) pairs, transformers' names;
+        consumed one at a time, so a producer may gather each tensor only when it is asked."""
+        ...
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack token-id lists into left-padded ids (B, Lp) and mask (B, Lp)."""
+    Lp = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), Lp), pad_id, dtype=torch.long)  # (B, Lp)
+    mask = torch.zeros((len(prompts), Lp), dtype=torch.long)  # (B, Lp)
+    for i, p in enumerate(prompts):
+        if p:
+            ids[i, Lp - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, Lp - len(p) :] = 1
+    return ids, mask
+
+
+def right_pad(seqs: list[list], pad, dtype: torch.dtype = torch.long, min_len: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack lists into right-padded values (B, T) and a float mask (B, T), T >= min_len."""
+    T = max(min_len, max(len(s) for s in seqs))
+    out = torch.full((len(seqs), T), pad, dtype=dtype)  # (B, T)
+    mask = torch.zeros(len(seqs), T)  # (B, T)
+    for i, s in enumerate(seqs):
+        if s:
+            out[i, :len(s)] = torch.tensor(s, dtype=dtype)
+            mask[i, :len(s)] = 1
+    return out, mask
+
+
+
+def to_rollouts(prompts: list[list[int]], responses: list[list[int]], logps: list[list[float]],
+                pad_id: int) -> Rollouts:
+    """Pad per-row prompt / response / log-prob lists into a Rollouts batch."""
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)  # (B, Lp)
+    response_ids, response_mask = right_pad(responses, pad_id, min_len=1)  # (B, T)
+    logp, _ = right_pad(logps, 0.0, dtype=torch.float32, min_len=1)  # (B, T)
+    return Rollouts(prompt_ids, prompt_mask, response_ids, response_mask, logp)
+
+
+def stop_token_ids(model, tokenizer=None) -> list[int]:
+    """Every token that ends a response, for every engine: the generation config's eos ids
+    (Qwen lists several, e.g. <|im_end|> and <|endoftext|>), else the model config's, and the
+    tokenizer's eos."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    if not eos:
+        raise ValueError("the model has no eos_token_id and no tokenizer eos: pass the stop "
+                         "token ids to the engine")
+    return eos
