@@ -8,6 +8,11 @@ G times before its prefill), temperature and top-p as given, top-k off, stop at 
 alternate `--repeats` times in one process; the table shows the median tokens/s of each and
 their ratio. Generated tokens count every response token up to and including eos.
 
+With `--vllm` (run it with `.venv-vllm/bin/python`, `bash scripts/setup.sh --vllm`), the vLLM
+engine (`rollout.engine=vllm`, in this process, float32, eager on the CPU) samples the same
+prompts from the same weights too; `--model DIR` takes a Hugging Face model directory instead of
+the tiny Qwen3 (e.g. `$(gspo fetch-model smollm2-135m-instruct)`).
+
 Also timed: the engine's plain loop (`HFEngine(fast=False)`: one transformers forward per step
 over all rows with a DynamicCache), so the table separates the engine's fast path from the
 sampler it shares with the plain loop.
@@ -32,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     common.add_model_args(p)
+    p.add_argument("--model", help="a Hugging Face model directory (default: the tiny Qwen3)")
+    p.add_argument("--vllm", action="store_true", help="also time the vLLM engine")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--json", help="also write the results here")
@@ -43,22 +50,26 @@ def main(argv=None) -> int:
     import torch
 
     from gspo.data import encode_prompts
-    from gspo.models import build_tiny_qwen3, build_tokenizer
+    from gspo.engines import SamplingParams, left_pad, make_engine, stop_token_ids
     from gspo.engines.hf import HFEngine
-    from gspo.engines import SamplingParams, left_pad
+    from gspo.models import build_tiny_qwen3, build_tokenizer, load_model
     from gspo.tasks.arithmetic import make_splits
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    tokenizer = build_tokenizer()
-    model = build_tiny_qwen3(tokenizer, hidden_size=a.hidden_size, num_layers=a.num_layers,
-                             num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
-                             intermediate_size=a.intermediate_size).eval()
+    if a.model:
+        model, tokenizer = load_model(a.model)
+        model.eval()
+    else:
+        tokenizer = build_tokenizer()
+        model = build_tiny_qwen3(tokenizer, hidden_size=a.hidden_size, num_layers=a.num_layers,
+                                 num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+                                 intermediate_size=a.intermediate_size).eval()
     rows, _ = make_splits(max(a.prompts, 1), 1)
     prompts = encode_prompts(tokenizer, rows[: a.prompts])
     ids, mask = left_pad(prompts, tokenizer.pad_token_id)
     params = SamplingParams(a.temperature, a.top_p, a.max_new_tokens)
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    eos, pad = stop_token_ids(model, tokenizer), tokenizer.pad_token_id
 
     def run_engine(engine, seed):
         r = engine.generate(prompts, a.group_size, params, seed=seed)
@@ -73,12 +84,20 @@ def main(argv=None) -> int:
                                  max_new_tokens=a.max_new_tokens, eos_token_id=eos,
                                  pad_token_id=pad)
         resp = out[:, ids.shape[1]:]  # (B, T)
-        done = (resp == eos).cumsum(-1)  # tokens after the first eos have done > 0 before them
-        return int(((done - (resp == eos).long()) == 0).sum())
+        is_eos = torch.isin(resp, torch.tensor(eos))
+        done = is_eos.cumsum(-1)  # tokens after the first eos have done > 0 before them
+        return int(((done - is_eos.long()) == 0).sum())
 
-    systems = {"hf engine": lambda s: run_engine(HFEngine(model), s),
-               "hf engine, plain loop": lambda s: run_engine(HFEngine(model, fast=False), s),
-               "model.generate": run_generate}
+    hf = HFEngine(model, eos_token_ids=eos, pad_token_id=pad)
+    systems = {"hf engine": lambda s: run_engine(hf, s),
+               "hf engine, plain loop": lambda s: run_engine(
+                   HFEngine(model, eos_token_ids=eos, pad_token_id=pad, fast=False), s)}
+    if a.vllm:
+        t0 = time.perf_counter()
+        vllm_engine = make_engine("vllm", model, tokenizer, dtype="float32")
+        print(f"vLLM engine started in {time.perf_counter() - t0:.1f} s")
+        systems["vllm engine"] = lambda s: run_engine(vllm_engine, s)
+    systems["model.generate"] = run_generate
     samples: dict[str, list[tuple[int, float]]] = {k: [] for k in systems}
     for name, fn in systems.items():  # warm-up: first calls allocate and pick kernels
         fn(10_000)
@@ -96,7 +115,10 @@ def main(argv=None) -> int:
     base = rows_out[-1]["tokens_per_s"]
     for r in rows_out:
         r["ratio"] = r["tokens_per_s"] / base
-    print(f"generation: tiny Qwen3 hidden {a.hidden_size} x {a.num_layers} layers, "
+    if a.vllm:
+        vllm_engine.close()
+    name = a.model or f"tiny Qwen3 hidden {a.hidden_size} x {a.num_layers} layers"
+    print(f"generation: {name}, "
           f"{a.prompts} prompts x G {a.group_size}, {a.max_new_tokens} new tokens, "
           f"temperature {a.temperature}, top-p {a.top_p}, {torch.get_num_threads()} threads, "
           f"median of {a.repeats} alternating runs\n")

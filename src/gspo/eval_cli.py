@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                               system_prompt=data_cfg.system_prompt or None)
         finally:
             getattr(reward_fn, "close", lambda: None)()
+            engine.close()
     except (ConfigError, ModelLoadError) as e:
         return _fail(str(e))
     records = report_records(result, rows, args.k)

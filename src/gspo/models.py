@@ -114,8 +114,10 @@ def build_tiny_qwen3(
     intermediate_size: int = 256,
     max_position_embeddings: int = 512,
     seed: int = 0,
+    tie_word_embeddings: bool = True,
 ) -> Qwen3ForCausalLM:
-    """A randomly initialised float32 Qwen3 causal LM over `tokenizer`'s vocabulary (tied embeddings)."""
+    """A randomly initialised float32 Qwen3 causal LM over `tokenizer`'s vocabulary (tied
+    embeddings unless asked otherwise)."""
     config = Qwen3Config(
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
@@ -124,7 +126,7 @@ def build_tiny_qwen3(
         head_dim=hidden_size // num_heads,
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         dtype=torch.float32,
         **_token_ids(tokenizer),
     )

@@ -40,8 +40,8 @@ from gspo.distributed import (Dist, Policy, as_local, broadcast_weights, checkpo
                                load_optimizer_state, no_sync, wrap_policy)
 from gspo.evaluate import decode_responses, evaluate
 from gspo.logger import MetricsLogger
-from gspo.engines import (RolloutEngine, Rollouts, SamplingParams, left_pad, make_engine,
-                          right_pad)
+from gspo.engines import (RolloutEngine, Rollouts, SamplingParams, engine_class, left_pad,
+                          make_engine, right_pad)
 from gspo.models import build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer, load_model
 from gspo.moe import RoutingRecorder, expert_counts, expert_volatility, is_moe, load_summary
 from gspo.objectives import (OBJECTIVES, engine_mismatch, group_advantages, kl_k3,
@@ -327,9 +327,11 @@ class Run:
 def build_engine(model, tokenizer, cfg: Config, own_copy: bool = False) -> RolloutEngine:
     """The rollout engine rollout.engine names (gspo.engines.ENGINES), from the model's weights."""
     r = cfg.rollout
-    options = engine_options(r)
-    return make_engine(r.engine, model, tokenizer, dtype=r.dtype, seed=cfg.train.seed,
-                       own_copy=own_copy, **options)
+    try:
+        return make_engine(r.engine, model, tokenizer, dtype=r.dtype, seed=cfg.train.seed,
+                           own_copy=own_copy, **engine_options(r))
+    except (ImportError, RuntimeError, ValueError) as e:  # an engine that cannot start here
+        raise TrainingError(f"rollout.engine={r.engine}: {e}") from e
 
 
 def engine_options(r) -> dict:
@@ -365,15 +367,31 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
         raise TrainingError(f"the warm-up batch ({warm_batch} = min(warmup.batch_size, training "
                             f"rows)) must be divisible by the {d.world} ranks (each scores its "
                             f"share of the batch)")
-    state, warmup_s = {}, 0.0
+    state = {}
     if ckpt is not None:  # weights and RNG now, the optimiser's state once it is built
         state = load_checkpoint(ckpt, model)
         log.info("resumed from %s at step %d", ckpt, state["step"])
     broadcast_weights(model, d)  # every rank starts from rank 0's weights
-    a = cfg.algorithm
     mode = data_parallel_mode(cfg, d)
+    if (cfg.algorithm.routing_replay and cfg.algorithm.old_logprobs == "rollout"
+            and not engine_class(cfg.rollout.engine).records_routing):
+        raise TrainingError(f"routing replay with old_logprobs=rollout needs an engine that "
+                            f"records MoE routing; rollout.engine={cfg.rollout.engine} does "
+                            f"not (use rollout.engine=hf or algorithm.old_logprobs=recompute)")
     # copies while the weights are whole (FSDP2 shards them in place); refreshed after warm-up
     engine = build_engine(model, tokenizer, cfg, own_copy=mode == "fsdp")
+    try:
+        return _prepare_rest(cfg, run_dir, d, mode, model, tokenizer, engine, ckpt, state,
+                             train_rows, eval_rows, reward_fn, solution)
+    except BaseException:
+        engine.close()  # a vLLM engine holds process-wide state
+        raise
+
+
+def _prepare_rest(cfg, run_dir, d, mode, model, tokenizer, engine, ckpt, state, train_rows,
+                  eval_rows, reward_fn, solution) -> Run:
+    t, a = cfg.train, cfg.algorithm
+    warmup_s = 0.0
     ref_policy = Policy(copy.deepcopy(model).eval()) if a.beta > 0 else None
     policy = wrap_policy(model, d, mode)
     if ckpt is None and cfg.warmup.steps > 0:
@@ -398,10 +416,6 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
                             f"{cfg.model.name_or_path} has none")
     rollout_routing = None
     if a.routing_replay and a.old_logprobs == "rollout":
-        if not engine.records_routing:
-            raise TrainingError(f"routing replay with old_logprobs=rollout needs an engine that "
-                                f"records MoE routing; rollout.engine={cfg.rollout.engine} does "
-                                f"not (use rollout.engine=hf or algorithm.old_logprobs=recompute)")
         rollout_routing = RoutingRecorder(engine.model)
     gen = torch.Generator().manual_seed(t.seed)
     if "update_rng" in state:
@@ -546,6 +560,13 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
 def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Summary:
     """Run warm-up (unless resuming) and `train.steps` RL steps; write everything to run_dir."""
     run = prepare(cfg, Path(run_dir), resume)
+    try:
+        return _train(run, cfg, resume)
+    finally:
+        run.engine.close()
+
+
+def _train(run: Run, cfg: Config, resume: bool) -> Summary:
     t = cfg.train
     logger = MetricsLogger(run.run_dir, enabled=run.dist.is_main, tensorboard=t.tensorboard,
                            resume_from_step=run.start_step if resume else None)

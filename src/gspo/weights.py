@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
@@ -36,3 +36,31 @@ def untied_missing(model, missing: set[str], expected: dict | None = None) -> se
     expected = expected if expected is not None else model.state_dict()
     present = {expected[k].data_ptr() for k in expected if k not in missing}
     return {k for k in missing if expected[k].data_ptr() not in present}
+
+
+class CheckpointFormat:
+    """Turns (name, tensor) pairs of a transformers model in memory into the names and layout
+    its checkpoint files use, as `save_pretrained` writes them: transformers 5 fuses some
+    weights when it loads (e.g. a Qwen3-MoE layer's experts into one `experts.gate_up_proj`
+    tensor) and splits them back when it saves. Engines that load checkpoints (vLLM) want the
+    saved layout. One tensor at a time; names that need no conversion are remembered."""
+
+    def __init__(self, model):
+        self.model = model
+        self._plain: set[str] = set()
+        try:
+            from transformers.core_model_loading import revert_weight_conversion
+        except ImportError:  # transformers < 5: memory and checkpoint layouts are the same
+            revert_weight_conversion = None
+        self._revert = revert_weight_conversion
+
+    def __call__(self, weights: Iterable[tuple[str, torch.Tensor]]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in weights:
+            if self._revert is None or name in self._plain:
+                yield name, t
+                continue
+            out = self._revert(self.model, {name: t})
+            if list(out) == [name]:
+                self._plain.add(name)
+            yield from out.items()

