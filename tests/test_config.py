@@ -52,7 +52,7 @@ def test_saved_config_loads_back_identically(tmp_path):
     ("model=3", "is a section"),
     ("lr", "must look like key.sub=value"),
     ("data.n_train=99999", "distinct problems"),
-    ("algorithm.aggregation=token-mean", "applies to grpo only"),
+    ("algorithm.aggregation=token-mean", "does not apply to gspo"),
 ])
 def test_bad_config_raises_one_clear_line(override, words):
     with pytest.raises(ConfigError, match=words) as e:

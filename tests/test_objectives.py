@@ -254,8 +254,13 @@ def assert_metrics_match(got, want, rtol=1e-9, atol=1e-12):
 # --------------------------------------------------------------------------------------------
 
 
-def test_objectives_registry_maps_names_to_functions():
-    assert OBJECTIVES == {"gspo": gspo_loss, "gspo_token": gspo_token_loss, "grpo": grpo_loss}
+def test_objectives_registry_maps_names_to_functions_and_paper_settings():
+    assert {k: v.fn for k, v in OBJECTIVES.items()} == {
+        "gspo": gspo_loss, "gspo_token": gspo_token_loss, "grpo": grpo_loss}
+    assert (OBJECTIVES["gspo"].eps_low, OBJECTIVES["gspo"].eps_high) == (3e-4, 4e-4)
+    assert (OBJECTIVES["grpo"].eps_low, OBJECTIVES["grpo"].eps_high) == (0.2, 0.27)
+    assert OBJECTIVES["grpo"].normaliser("token-mean") == "tokens"
+    assert OBJECTIVES["gspo"].normaliser("seq-mean-token-mean") == "sequences"
 
 
 def test_paper_default_eps():

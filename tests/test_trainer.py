@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 
@@ -112,7 +113,7 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_checkpoints(tmp_path, tiny_
         calls["n"] += 1
         return (loss * float("nan") if calls["n"] > 4 else loss), metrics  # step 2 onwards
 
-    monkeypatch.setitem(trainer.OBJECTIVES, "gspo", poisoned)
+    monkeypatch.setitem(trainer.OBJECTIVES, "gspo", dataclasses.replace(real, fn=poisoned))
     with pytest.raises(TrainingError, match="non-finite loss"):
         train(cfg, tmp_path / "run")
     assert latest_checkpoint(tmp_path / "run").name == "step_000001"

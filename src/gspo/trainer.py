@@ -209,10 +209,9 @@ def update(run: "Run", r: Rollouts, old_logp, ref_logp, adv) -> dict[str, float]
     cfg, d = run.cfg, run.dist
     a = cfg.algorithm
     objective = OBJECTIVES[a.name]
-    kwargs = {"eps_low": a.eps_low, "eps_high": a.eps_high}
-    if a.name == "grpo":
-        kwargs.update(aggregation=a.aggregation, max_len=cfg.rollout.max_new_tokens)
-    token_mean = a.name == "grpo" and a.aggregation == "token-mean"
+    kwargs = {"eps_low": a.eps_low, "eps_high": a.eps_high,
+              **objective.options(a.aggregation, cfg.rollout.max_new_tokens)}
+    token_mean = objective.normaliser(a.aggregation) == "tokens"
     replay = run.routing if a.routing_replay else None
     B, T = r.response_ids.shape
     mb_size = B // a.minibatches
