@@ -7,6 +7,7 @@ optimiser step of gspo.trainer.update on a fixed global batch; rank 0 saves the 
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -21,6 +22,13 @@ def digit_fraction(completion: str, **_) -> float:
     """A dense reward a random tiny model earns (data.reward=tests/dist_update_worker.py:digit_fraction),
     so that RL steps under torchrun really move the weights."""
     return sum(c.isdigit() for c in completion) / max(1, len(completion))
+
+
+def stalls_on_rank_1(completion: str, **_) -> float:
+    """A reward that never returns on rank 1 (a hung user function, a dead NFS mount)."""
+    if os.environ.get("RANK") == "1":
+        time.sleep(3600)
+    return 0.0
 
 
 def fixed_batch(B: int, vocab: int, Lp: int = 5, T: int = 6) -> tuple[Rollouts, torch.Tensor]:

@@ -2,8 +2,10 @@
 same update as one process with the whole batch; end-to-end runs and resume across world size."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,15 +17,31 @@ from gspo.logger import read_metrics
 WORKER = Path(__file__).with_name("dist_update_worker.py")
 MODEL = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
          "model.intermediate_size=64", "data.n_train=200", "data.n_eval=8", "warmup.steps=2",
-         "warmup.batch_size=4", "train.progress=false", "train.tensorboard=false"]
+         "warmup.batch_size=4", "train.progress=false", "train.tensorboard=false",
+         "train.dist_timeout_s=120"]  # a rank left waiting fails well inside the test's timeout
 
 
-def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def launch(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """torchrun with nproc ranks (a plain process for 1), bounded: past `timeout` the whole
+    process group (the agent and every rank) is killed and the test fails with its output."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", *args] if nproc > 1 else [sys.executable, *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # ranks are the agent's children: kill them all
+        stdout, stderr = p.communicate()
+        pytest.fail(f"{' '.join(cmd[:6])} ran past {timeout} s and was killed:\n"
+                    f"{stdout[-3000:]}{stderr[-3000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr)
+
+
+def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    out = launch(nproc, *args, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
@@ -68,11 +86,27 @@ def test_two_process_train_then_resume_on_one(tmp_path):
 def test_prompts_not_divisible_by_ranks_is_a_clear_error(tmp_path):
     env_args = MODEL + ["rollout.prompts_per_step=3", "rollout.group_size=4",
                         "algorithm.minibatches=1", "train.steps=1"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "gspo", "train", "--output-dir", str(tmp_path / "r"), *env_args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = launch(2, "-m", "gspo", "train", "--output-dir", str(tmp_path / "r"), *env_args)
     assert out.returncode != 0 and "divisible by the 2 ranks" in out.stderr
+    # 2 x 2 rollouts: 2 per rank, fewer than the 4 minibatches the config asks for
+    out = launch(2, "-m", "gspo", "train", "--output-dir", str(tmp_path / "r2"), *MODEL,
+                 "rollout.prompts_per_step=2", "rollout.group_size=2", "train.steps=1")
+    assert out.returncode != 0 and "each of the 2 ranks holds 2 rollouts per step, which is " \
+        "not divisible by algorithm.minibatches=4" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_rank_that_stops_answering_fails_the_run_within_the_timeout(tmp_path):
+    # rank 1 stalls inside its reward function; rank 0 waits in the next collective, gives up
+    # after train.dist_timeout_s with one line naming it, and torchrun then stops rank 1
+    args = MODEL + ["rollout.prompts_per_step=2", "rollout.group_size=2", "warmup.steps=0",
+                    "algorithm.minibatches=1", "train.steps=1", "train.eval_every=0", "train.dist_timeout_s=5",
+                    f"data.reward={WORKER}:stalls_on_rank_1"]
+    t0 = time.monotonic()
+    out = launch(2, "-m", "gspo", "train", "--output-dir", str(tmp_path / "r"), *args, timeout=120)
+    assert out.returncode != 0
+    assert "gspo: error: rank 0: a collective failed" in out.stderr, out.stderr[-3000:]
+    assert "train.dist_timeout_s=5" in out.stderr
+    assert time.monotonic() - t0 < 90  # the 5 s timeout, plus start-up, not a hang
 
 
 def _weights(ckpt: Path) -> dict[str, torch.Tensor]:

@@ -45,7 +45,10 @@ def train_main(argv: list[str]) -> int:
     from gspo.models import ModelLoadError
     from gspo.trainer import TrainingError, train
 
+    from gspo.distributed import collective_failure
+
     args = _train_parser().parse_args(argv)
+    cfg = None
     try:
         config_path = args.config
         if args.resume:
@@ -61,6 +64,13 @@ def train_main(argv: list[str]) -> int:
     except (ConfigError, ModelLoadError, TrainingError) as e:
         _leave_process_group(wait=False)
         return _fail(str(e))
+    except RuntimeError as e:  # under torchrun: a peer failed, or a collective timed out
+        why = collective_failure(e, cfg.train.dist_timeout_s if cfg else 600.0)
+        if why is None:
+            raise
+        _leave_process_group(wait=False)
+        print(f"gspo: error: {why}", file=sys.stderr)
+        return 1
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, once
         print_summary(summary)
     return 0

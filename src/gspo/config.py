@@ -167,6 +167,10 @@ class TrainConfig:
     data_parallel: str = _f("auto", "under torchrun: 'fsdp' (FSDP2, parameters, gradients and "
                             "optimiser state sharded over ranks), 'ddp' (every rank holds the "
                             "whole model), or 'auto' = fsdp where this torch has fully_shard")
+    dist_timeout_s: float = _f(600.0, "under torchrun: seconds a rank waits in a collective (or "
+                               "for the others to join) before every rank stops with an error "
+                               "instead of hanging; raise it if one rank's checkpoint write or "
+                               "evaluation is slower than that")
 
 
 @dataclass
@@ -353,6 +357,7 @@ def resolve(cfg: Config) -> Config:
     t = cfg.train
     _positive("train.steps", t.steps, allow_zero=True)
     _positive("train.eval_k", t.eval_k)
+    _positive("train.dist_timeout_s", t.dist_timeout_s)
     _positive("train.eval_temperature", t.eval_temperature, allow_zero=True)
     for k in ("eval_every", "save_every", "keep_last"):
         _positive(f"train.{k}", getattr(t, k), allow_zero=True)

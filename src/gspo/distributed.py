@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Iterator
 from dataclasses import dataclass
 
@@ -103,17 +104,41 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
     return device
 
 
-def init_distributed(device: str = "auto") -> Dist:
+def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
     """Join the process group torchrun describes in the environment, NCCL when this rank
-    trains on a GPU and gloo on the CPU; without torchrun, a single-process Dist."""
+    trains on a GPU and gloo on the CPU; without torchrun, a single-process Dist.
+
+    `timeout_s` bounds every collective and the join itself: a rank that waits longer for the
+    others (one crashed, or took another path) raises instead of hanging, and torchrun then
+    stops the rest. torch's own defaults (30 min for gloo) would hold a job that long."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else 0
     dev = resolve_device(device, local_rank)
     if world <= 1:
         return Dist(device=dev)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=timeout_s))
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev)
+
+
+# what gloo / NCCL / the TCP store say when a peer is gone or a collective outlived its timeout
+_PEER_FAILURES = ("Timed out waiting", "timed out", "Connection closed by peer",
+                  "Connection reset by peer", "Broken pipe", "NCCL")
+
+
+def collective_failure(err: BaseException, timeout_s: float) -> str | None:
+    """One line for an error raised inside a collective under torchrun, or None when `err` is
+    not one (then it is a bug of its own and keeps its traceback)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    text = str(err).strip()
+    if not (isinstance(err, dist.DistError) or any(p in text for p in _PEER_FAILURES)):
+        return None
+    first = (text.splitlines() or [type(err).__name__])[0][:240]
+    return (f"rank {dist.get_rank()}: a collective failed ({first}): another rank crashed or "
+            f"stopped answering (its own error, if any, is printed above), or this one waited "
+            f"longer than train.dist_timeout_s={timeout_s:g}")
 
 
 def shutdown(d: Dist) -> None:

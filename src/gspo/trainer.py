@@ -343,10 +343,16 @@ def engine_options(r) -> dict:
 def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
     """Build model, task, engine and optimiser; restore a checkpoint or run the warm-up."""
     t = cfg.train
-    d = init_distributed(t.device)
+    d = init_distributed(t.device, t.dist_timeout_s)
     if cfg.rollout.prompts_per_step % d.world:
         raise TrainingError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be "
                             f"divisible by the {d.world} ranks (whole groups stay on one rank)")
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size // d.world
+    if d.enabled and rows % cfg.algorithm.minibatches:
+        raise TrainingError(f"each of the {d.world} ranks holds {rows} rollouts per step, which "
+                            f"is not divisible by algorithm.minibatches="
+                            f"{cfg.algorithm.minibatches}; raise rollout.prompts_per_step or "
+                            f"lower algorithm.minibatches")
     if not resume and latest_checkpoint(run_dir) is not None:
         raise TrainingError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
                             f"continue it or choose a new --output-dir")
