@@ -74,3 +74,25 @@ def test_profile_step_benchmark_splits_the_step_into_phases(tmp_path):
     assert rows["step"]["ms"] == pytest.approx(sum(rows[p]["ms"] for p in ("rollout", "pi_old", "update")))
     assert all(0 < rows[p]["gemm_share"] < 1 and rows[p]["gemm_gflop"] > 0
                for p in ("rollout", "pi_old", "update"))
+
+
+def test_lora_vs_full_benchmark_runs(tmp_path):
+    pytest.importorskip("peft")
+    res = run("lora_vs_full.py", "--model", "tiny-qwen3", "--steps", "2", "--lora-rank", "2",
+              "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
+              "model.num_kv_heads=1", "model.intermediate_size=64", "rollout.prompts_per_step=2",
+              "rollout.group_size=2", "rollout.max_new_tokens=4", "algorithm.minibatches=1",
+              tmp_path=tmp_path)
+    assert set(res["summary"]) == {"full", "lora"}
+    assert all(v["step_s"] > 0 and v["peak_rss_mb"] > 0 for v in res["summary"].values())
+
+
+def test_memory_benchmark_runs_and_sizes_the_parts(tmp_path):
+    res = run("memory.py", "--model", "tiny-qwen3", "model.hidden_size=32", "model.num_layers=1",
+              "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",
+              "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
+              "algorithm.minibatches=1", tmp_path=tmp_path)
+    assert len(res["phases"]) == 5 and all(p["peak"] >= p["before"] > 0 for p in res["phases"])
+    # AdamW's two moments are exactly twice the gradients, which are the weights (all trainable)
+    assert res["needs"]["AdamW moments"] == pytest.approx(2 * res["needs"]["gradients"])
+    assert res["needs"]["gradients"] == pytest.approx(res["needs"]["weights"])

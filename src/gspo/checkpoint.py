@@ -26,7 +26,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -57,6 +57,7 @@ def save_checkpoint(
     weights: dict[str, torch.Tensor] | None = None,
     optimizer_state: dict | None = None,
     reference: dict[str, torch.Tensor] | None = None,
+    extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically, point `latest` at it, prune old ones; return its path.
 
@@ -66,6 +67,8 @@ def save_checkpoint(
     `keep_last <= 0` keeps every checkpoint; the one just written is never pruned.
     `weights` / `optimizer_state` replace model.state_dict() / optimizer.state_dict() (a
     sharded model's gathered state). `reference`: pi_ref's state dict, kept for a resume.
+    `extra(dir)` writes more files (e.g. a LoRA adapter) into the checkpoint before it is
+    published, so they are part of the atomic write.
     """
     ckpts = Path(run_dir) / CHECKPOINTS_DIR
     ckpts.mkdir(parents=True, exist_ok=True)
@@ -83,6 +86,8 @@ def save_checkpoint(
                    tmp / STATE_FILE)
         if reference is not None:
             torch.save(reference, tmp / REFERENCE_FILE)
+        if extra is not None:
+            extra(tmp)
         _fsync_tree(tmp)
         final = _publish(tmp, ckpts / name)
     except BaseException:
@@ -232,11 +237,13 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any | None = None,
     restore_rng: bool = True,
+    load_weights: bool = True,
 ) -> dict:
     """Load weights, optimizer, scheduler and RNG states from `ckpt_dir`; return trainer_state.
 
     The returned dict is the `trainer_state` passed to `save_checkpoint`, with "step" filled in
-    if it was absent. Pass `restore_rng=False` to load for evaluation without touching RNGs.
+    if it was absent. Pass `restore_rng=False` to load for evaluation without touching RNGs,
+    and `load_weights=False` to leave the model as it is (LoRA restores its adapter instead).
     """
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
@@ -247,7 +254,8 @@ def load_checkpoint(
             f"{ckpt_dir}; to resume a run, pass latest_checkpoint(run_dir)"
         )
     payload = torch.load(ckpt_dir / STATE_FILE, map_location="cpu", weights_only=True)
-    _load_weights(ckpt_dir, model)
+    if load_weights:
+        _load_weights(ckpt_dir, model)
     if optimizer is not None:
         _load_component(optimizer, payload.get("optimizer"), "optimizer", ckpt_dir)
     if scheduler is not None:

@@ -17,8 +17,7 @@ from typing import Any
 import yaml
 
 
-class ConfigError(ValueError):
-    """A broken configuration; the message is one line naming the field and the fix."""
+from gspo.errors import ConfigError  # noqa: F401  (raised here; defined with the other user errors)
 
 
 def _f(default: Any, help: str) -> Any:
@@ -43,6 +42,13 @@ class ModelConfig:
     dtype: str = _f("float32", "training dtype: float32 | bfloat16 | float16")
     logprob_chunk_size: int = _f(1024, "positions per chunk when computing log-probs "
                                  "(bounds the (chunk, V) logits held at once)")
+    lora_rank: int = _f(0, "LoRA (through peft): rank of the adapters; 0 = train every weight")
+    lora_alpha: float = _f(32.0, "LoRA: scale numerator, the update is (alpha / rank) B A")
+    lora_dropout: float = _f(0.0, "LoRA: dropout on the adapters' input (0 keeps pi_old's "
+                             "recompute and the update's forward identical)")
+    lora_target_modules: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                    "up_proj", "down_proj"],
+                                   "LoRA: names of the linear layers that get adapters")
 
 
 @dataclass
@@ -312,6 +318,15 @@ def resolve(cfg: Config) -> Config:
     if a.advantage_scale not in ADVANTAGE_SCALES:
         raise ConfigError(f"algorithm.advantage_scale '{a.advantage_scale}' is unknown; choose "
                           f"one of {', '.join(ADVANTAGE_SCALES)}")
+    m = cfg.model
+    _positive("model.lora_rank", m.lora_rank, allow_zero=True)
+    if m.lora_rank:
+        _positive("model.lora_alpha", m.lora_alpha)
+        if not 0 <= m.lora_dropout < 1:
+            raise ConfigError(f"model.lora_dropout must be in [0, 1), got {m.lora_dropout}")
+        if not m.lora_target_modules or not all(isinstance(x, str) for x in m.lora_target_modules):
+            raise ConfigError(f"model.lora_target_modules must be a non-empty list of layer "
+                              f"names, e.g. [q_proj, v_proj]; got {m.lora_target_modules!r}")
     _positive("algorithm.eps_low", a.eps_low, allow_zero=True)
     _positive("algorithm.eps_high", a.eps_high, allow_zero=True)
     _positive("algorithm.beta", a.beta, allow_zero=True)

@@ -38,8 +38,11 @@ from gspo.data import encode_prompts, score
 from gspo.distributed import (Dist, Policy, as_local, broadcast_weights, checkpoint_state,
                                fsdp_available, init_distributed, iter_weights,
                                load_optimizer_state, no_sync, wrap_policy)
+from gspo.errors import TrainingError
 from gspo.evaluate import decode_responses, evaluate
 from gspo.logger import MetricsLogger
+from gspo.lora import (ADAPTER_DIR, LoraUnavailable, add_lora, is_lora, load_adapter,
+                       merged_weights, save_adapter)
 from gspo.engines import (RolloutEngine, Rollouts, SamplingParams, engine_class, left_pad,
                           make_engine, right_pad)
 from gspo.models import build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer, load_model
@@ -50,10 +53,6 @@ from gspo.tasks import build_task
 from gspo.weights import copy_weights_
 
 log = logging.getLogger(__name__)
-
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (e.g. a non-finite loss); the message says what to change."""
 
 
 @dataclass
@@ -92,7 +91,8 @@ def build_optimizer(model, lr: float, cfg: Config):
     o = cfg.optim
     # fused: one kernel for the whole step (CPU and CUDA); halves the optimiser's time here
     fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(o.betas),
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+    opt = torch.optim.AdamW(params, lr=lr, betas=tuple(o.betas),
                             weight_decay=o.weight_decay, fused=fused)
     warm = max(1, o.warmup_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
@@ -323,6 +323,12 @@ class Run:
     policy: torch.nn.Module                  # the model's log-prob forward: DDP / FSDP2 on >1 rank
 
 
+def policy_weights(policy, model):
+    """(name, tensor) of the policy as a plain model, for the rollout engine and pi_ref: LoRA's
+    merged weights, else the model's own (gathered one at a time when sharded)."""
+    return merged_weights(model) if is_lora(model) else iter_weights(policy, model)
+
+
 def build_engine(model, tokenizer, cfg: Config, own_copy: bool = False) -> RolloutEngine:
     """The rollout engine rollout.engine names (gspo.engines.ENGINES), from the model's weights."""
     r = cfg.rollout
@@ -373,8 +379,13 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
                             f"rows)) must be divisible by the {d.world} ranks (each scores its "
                             f"share of the batch)")
     state = {}
+    lora = cfg.model.lora_rank > 0
+    if lora and d.enabled:
+        raise TrainingError("model.lora_rank > 0 runs in one process for now; launch without "
+                            "torchrun, or train every weight (model.lora_rank=0)")
     if ckpt is not None:  # weights and RNG now, the optimiser's state once it is built
-        state = load_checkpoint(ckpt, model)
+        # LoRA: the base stays as loaded; the adapter is restored once it is injected
+        state = load_checkpoint(ckpt, model, load_weights=not lora)
         log.info("resumed from %s at step %d", ckpt, state["step"])
     broadcast_weights(model, d)  # every rank starts from rank 0's weights
     mode = data_parallel_mode(cfg, d)
@@ -384,7 +395,8 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
                             f"records MoE routing; rollout.engine={cfg.rollout.engine} does "
                             f"not (use rollout.engine=hf or algorithm.old_logprobs=recompute)")
     # copies while the weights are whole (FSDP2 shards them in place); refreshed after warm-up
-    engine = build_engine(model, tokenizer, cfg, own_copy=mode == "fsdp")
+    # LoRA: the engine holds a plain copy, refreshed with the merged weights
+    engine = build_engine(model, tokenizer, cfg, own_copy=mode == "fsdp" or lora)
     try:
         return _prepare_rest(cfg, run_dir, d, mode, model, tokenizer, engine, ckpt, state,
                              train_rows, eval_rows, reward_fn, solution)
@@ -398,15 +410,25 @@ def _prepare_rest(cfg, run_dir, d, mode, model, tokenizer, engine, ckpt, state, 
     t, a = cfg.train, cfg.algorithm
     warmup_s = 0.0
     ref_policy = Policy(copy.deepcopy(model).eval()) if a.beta > 0 else None
+    if cfg.model.lora_rank:  # after pi_ref's copy: the reference is the plain base model
+        m = cfg.model
+        try:
+            model = add_lora(model, m.lora_rank, m.lora_alpha, m.lora_dropout,
+                             m.lora_target_modules)
+            if ckpt is not None:
+                load_adapter(model, ckpt / ADAPTER_DIR)
+                engine.load_weights(merged_weights(model))  # it was built from the base alone
+        except (LoraUnavailable, ValueError) as e:
+            raise TrainingError(str(e)) from None
     policy = wrap_policy(model, d, mode)
     if ckpt is None and cfg.warmup.steps > 0:
         t0 = time.perf_counter()
         loss = warmup(policy, model, tokenizer, train_rows, solution, cfg, d)
         warmup_s = time.perf_counter() - t0
         log.info("warm-up: %d steps, final loss %.4f, %.1fs", cfg.warmup.steps, loss, warmup_s)
-        engine.load_weights(iter_weights(policy, model))
+        engine.load_weights(policy_weights(policy, model))
         if ref_policy is not None:  # pi_ref: the policy RL starts from
-            copy_weights_(ref_policy.model, iter_weights(policy, model))
+            copy_weights_(ref_policy.model, policy_weights(policy, model))
     if ref_policy is not None and ckpt is not None:
         reference = read_reference(ckpt)
         if reference is None:
@@ -537,7 +559,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     # ---- minibatch updates
     t2 = time.perf_counter()
     m = update(run, rollouts, old_logp, ref_logp, adv)
-    run.engine.load_weights(iter_weights(run.policy, run.model))
+    run.engine.load_weights(policy_weights(run.policy, run.model))
     t_update = time.perf_counter() - t2
     if run.routing:
         m.update(moe_metrics(run.policy, run.routing, rollouts, cfg, run.micro, run.dist))
@@ -597,6 +619,9 @@ def _train(run: Run, cfg: Config, resume: bool) -> Summary:
         if (t.save_every > 0 and done % t.save_every == 0) or done == t.steps:
             # DDP: every rank holds the same state, rank 0's is the run's; FSDP: gathered to 0
             weights, optimizer_state = checkpoint_state(run.policy, run.model, run.optimizer)
+            lora = is_lora(run.model)
+            if lora:  # the merged model for plain transformers; lora/ for an exact resume
+                weights = dict(merged_weights(run.model))
             reference = run.ref_policy.model.state_dict() if run.ref_policy else None
             if run.dist.is_main:
                 save_checkpoint(run.run_dir, done, run.model, run.tokenizer, run.optimizer,
@@ -604,7 +629,9 @@ def _train(run: Run, cfg: Config, resume: bool) -> Summary:
                                                 "final_accuracy": final_acc,
                                                 "update_rng": run.gen.get_state()},
                                 keep_last=t.keep_last, weights=weights,
-                                optimizer_state=optimizer_state, reference=reference)
+                                optimizer_state=optimizer_state, reference=reference,
+                                extra=(lambda d: save_adapter(run.model, d / ADAPTER_DIR))
+                                if lora else None)
         run.dist.barrier()
     logger.close()
     return Summary(run.run_dir, start_acc, final_acc, run.warmup_s,

@@ -1,0 +1,19 @@
+"""The errors a user can fix. Each message is one line naming the problem and the fix; the CLI
+prints it as `gspo: error: ...` and exits with status 2, without a traceback. Anything else that
+escapes is a bug and keeps its traceback."""
+
+
+class GspoError(Exception):
+    """Base of every user-fixable error gspo raises."""
+
+
+class ConfigError(GspoError, ValueError):
+    """A broken configuration (a field, a value, a combination of fields, a data file)."""
+
+
+class ModelLoadError(GspoError, ValueError):
+    """A model or tokenizer that cannot be found, converted or loaded."""
+
+
+class TrainingError(GspoError, RuntimeError):
+    """A run that cannot start or continue as asked (run directory, resume, world size, ...)."""
