@@ -38,6 +38,13 @@ def test_missing_model_exits_2_naming_the_path(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+def test_fetch_model_of_an_unknown_name_exits_2_listing_the_known_ones():
+    out = run_cli("fetch-model", "smollm2-999m")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("gspo: error: unknown pretrained model 'smollm2-999m'; known: "
+                                 "smollm2-135m-instruct")
+
+
 def test_plot_writes_pngs(tmp_path, tiny_overrides):
     assert run_cli("train", "--output-dir", str(tmp_path / "run"), *tiny_overrides).returncode == 0
     out = run_cli("plot", str(tmp_path / "run"), "--out", str(tmp_path / "plots"))

@@ -115,6 +115,10 @@ def test_gspo_eval_writes_jsonl_and_prints_a_table(model_dir, tmp_path, capsys):
     (["--data", "/no/such.jsonl"], "data.path '/no/such.jsonl' not found"),
     (["--data", str(DATA / "gsm8k_mini.jsonl")], "row 1: field 'prompt' (prompt) is missing"),
     (["--data", str(DATA / "math_mini.jsonl"), "rollout.group_size=2"], "data.* overrides only"),
+    # checked before the evaluation runs, so that its results are never lost
+    (["--data", str(DATA / "math_mini.jsonl"), "--output", str(DATA)], "must name a file"),
+    (["--data", str(DATA / "math_mini.jsonl"), "--output", "/no/such/dir/e.jsonl"],
+     "must name a file in an existing directory"),
 ])
 def test_gspo_eval_errors_exit_2_with_one_line(model_dir, capsys, args, message):
     rc = cli_main(["eval", "--model", str(model_dir), "--task", "math", *args])

@@ -35,15 +35,10 @@ def _train_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(msg: str) -> int:
-    print(f"gspo: error: {msg}", file=sys.stderr)
-    return USAGE_ERROR
-
-
 def train_main(argv: list[str]) -> int:
-    from gspo.config import ConfigError, load_config
-    from gspo.models import ModelLoadError
-    from gspo.trainer import TrainingError, train
+    from gspo.config import load_config
+    from gspo.errors import GspoError
+    from gspo.trainer import train
 
     from gspo.distributed import collective_failure
 
@@ -61,9 +56,9 @@ def train_main(argv: list[str]) -> int:
                            f"runs/{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         summary = train(cfg, run_dir, resume=bool(args.resume))
         _leave_process_group(wait=True)
-    except (ConfigError, ModelLoadError, TrainingError) as e:
+    except GspoError:
         _leave_process_group(wait=False)
-        return _fail(str(e))
+        raise
     except RuntimeError as e:  # under torchrun: a peer failed, or a collective timed out
         why = collective_failure(e, cfg.train.dist_timeout_s if cfg else 600.0)
         if why is None:
@@ -89,7 +84,6 @@ def _leave_process_group(wait: bool) -> None:
 
 
 def fetch_model_main(argv: list[str]) -> int:
-    from gspo.models import ModelLoadError
     from gspo.pretrained import MODELS, fetch_model
 
     p = argparse.ArgumentParser(
@@ -104,11 +98,7 @@ def fetch_model_main(argv: list[str]) -> int:
                         "GSPO_CACHE defaulting to ~/.cache/gspo)")
     p.add_argument("--force", action="store_true", help="convert again, replacing DIR")
     args = p.parse_args(argv)
-    try:
-        path = fetch_model(args.name, args.output, force=args.force)
-    except ModelLoadError as e:
-        return _fail(str(e))
-    print(path)
+    print(fetch_model(args.name, args.output, force=args.force))
     return 0
 
 
@@ -145,18 +135,29 @@ def main(argv: list[str] | None = None) -> int:
         p.print_help()
         return 0 if argv else USAGE_ERROR
     cmd, rest = argv[0], argv[1:]
-    if cmd == "train":
-        return train_main(rest)
-    if cmd == "plot":
-        from gspo.plot import main as plot_main
-        return plot_main(rest)
-    if cmd == "eval":
-        from gspo.eval_cli import main as eval_main
-        return eval_main(rest)
-    if cmd == "fetch-model":
-        return fetch_model_main(rest)
-    p.parse_args([cmd])  # prints the error and exits 2
-    return USAGE_ERROR
+    if cmd not in COMMANDS:
+        p.parse_args([cmd])  # prints the error and exits 2
+    from gspo.errors import GspoError
+    try:
+        return COMMANDS[cmd]()(rest)
+    except GspoError as e:  # the one exit path of every user-fixable error
+        print(f"gspo: error: {e}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+def _plot_main():
+    from gspo.plot import main
+    return main
+
+
+def _eval_main():
+    from gspo.eval_cli import main
+    return main
+
+
+COMMANDS = {"train": lambda: train_main, "eval": _eval_main, "plot": _plot_main,
+            "fetch-model": lambda: fetch_model_main}
+"""subcommand -> (a function returning) its entry point, imported only when it runs."""
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gspo.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -80,7 +82,6 @@ class Dist:
 def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
     """'auto' = this rank's GPU (cuda:LOCAL_RANK) when CUDA is available, else the CPU; 'cuda'
     = cuda:LOCAL_RANK; or an explicit 'cpu' / 'cuda:N'."""
-    from gspo.config import ConfigError
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     if spec == "cuda" and torch.cuda.is_available():

@@ -25,7 +25,6 @@ from typing import Sequence
 from gspo.evaluate import EvalResult, evaluate, pass_at_k
 from gspo.engines import SamplingParams
 
-USAGE_ERROR = 2
 TABLE_ROWS = 50  # problems printed; the JSONL always has them all
 
 
@@ -56,39 +55,33 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(msg: str) -> int:
-    print(f"gspo: error: {msg}", file=sys.stderr)
-    return USAGE_ERROR
-
-
 def main(argv: list[str] | None = None) -> int:
+    """`gspo eval`; user errors raise GspoError, which `gspo.cli.main` prints (exit 2)."""
     from gspo.config import ConfigError
-    from gspo.models import ModelLoadError
 
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        if args.k < 1 or args.batch_size < 1 or args.limit < 0:
-            raise ConfigError("--k and --batch-size must be >= 1 and --limit >= 0")
-        try:
-            params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        data_cfg, rows, reward_fn = load_eval_task(args.task, args.data, args.overrides,
-                                                   args.limit)
-        engine, tokenizer = load_engine(args.model, args.dtype, args.device, args.engine,
-                                        args.seed)
-        t0 = time.perf_counter()
-        try:
-            result = evaluate(engine, tokenizer, rows, reward_fn, args.k, params, args.seed,
-                              batch_size=args.batch_size,
-                              system_prompt=data_cfg.system_prompt or None)
-        finally:
-            getattr(reward_fn, "close", lambda: None)()
-            engine.close()
-    except (ConfigError, ModelLoadError) as e:
-        return _fail(str(e))
-    records = report_records(result, rows, args.k)
     output = Path(args.output or f"eval-{args.task}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+    if output.is_dir() or not output.parent.is_dir():  # before the evaluation, not after it
+        raise ConfigError(f"--output {output}: must name a file in an existing directory")
+    if args.k < 1 or args.batch_size < 1 or args.limit < 0:
+        raise ConfigError("--k and --batch-size must be >= 1 and --limit >= 0")
+    try:
+        params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    data_cfg, rows, reward_fn = load_eval_task(args.task, args.data, args.overrides,
+                                               args.limit)
+    engine, tokenizer = load_engine(args.model, args.dtype, args.device, args.engine,
+                                    args.seed)
+    t0 = time.perf_counter()
+    try:
+        result = evaluate(engine, tokenizer, rows, reward_fn, args.k, params, args.seed,
+                          batch_size=args.batch_size,
+                          system_prompt=data_cfg.system_prompt or None)
+    finally:
+        getattr(reward_fn, "close", lambda: None)()
+        engine.close()
+    records = report_records(result, rows, args.k)
     write_jsonl(records, output)
     print(format_table(records, args.k))
     print(f"\n  {len(rows)} problems x {args.k} samples in {time.perf_counter() - t0:.0f} s; "
@@ -180,4 +173,5 @@ def format_table(records: list[dict], k: int, max_rows: int = TABLE_ROWS) -> str
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from gspo.cli import main as cli_main
+    sys.exit(cli_main(["eval", *sys.argv[1:]]))

@@ -35,6 +35,8 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer
 
+from gspo.errors import ModelLoadError  # noqa: F401  (raised here, re-exported)
+
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -49,10 +51,6 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-
-
-class ModelLoadError(ValueError):
-    """A model or tokenizer could not be loaded; the message names the path and the fix."""
 
 
 # ---------------------------------------------------------------------------------------------

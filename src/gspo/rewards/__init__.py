@@ -17,7 +17,7 @@ import importlib.util
 from pathlib import Path
 from typing import Callable
 
-from gspo.config import ConfigError
+from gspo.errors import ConfigError
 
 RewardFn = Callable[..., float]
 

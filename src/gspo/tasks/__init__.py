@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from gspo.config import ConfigError
+from gspo.errors import ConfigError
 from gspo.tasks import arithmetic
 
 RewardFn = Callable[..., float]

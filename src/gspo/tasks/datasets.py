@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from gspo.config import ConfigError
+from gspo.errors import ConfigError
 from gspo.rewards.code import normalize_tests
 
 log = logging.getLogger(__name__)
