@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[cmd]()(rest)
     except GspoError as e:  # the one exit path of every user-fixable error
-        print(f"gspo: error: {e}", file=sys.stderr)
-        return USAGE_ERROR
+        print(f"gspo: error: {e}" if e.exit_code == USAGE_ERROR else f"gspo: {e}", file=sys.stderr)
+        return e.exit_code
 
 
 def _plot_main():

@@ -6,6 +6,8 @@ escapes is a bug and keeps its traceback."""
 class GspoError(Exception):
     """Base of every user-fixable error gspo raises."""
 
+    exit_code = 2  # what the CLI exits with
+
 
 class ConfigError(GspoError, ValueError):
     """A broken configuration (a field, a value, a combination of fields, a data file)."""

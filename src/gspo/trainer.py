@@ -21,6 +21,7 @@ import contextlib
 import copy
 import math
 import logging
+import os
 import random
 import resource
 import sys
@@ -41,6 +42,8 @@ from gspo.distributed import (Dist, Policy, as_local, broadcast_weights, checkpo
 from gspo.errors import TrainingError
 from gspo.evaluate import decode_responses, evaluate
 from gspo.logger import MetricsLogger
+from gspo.runlock import exclusive
+from gspo.signals import Interrupted, StopRequest
 from gspo.lora import (ADAPTER_DIR, LoraUnavailable, add_lora, is_lora, load_adapter,
                        merged_weights, save_adapter)
 from gspo.engines import (RolloutEngine, Rollouts, SamplingParams, engine_class, left_pad,
@@ -530,8 +533,9 @@ def old_policy(run: Run, r: Rollouts, step: int) -> tuple[torch.Tensor, torch.Te
     return train_logp, entropy, metrics
 
 
-def rl_step(run: Run, step: int) -> dict[str, float]:
-    """One RL step: rollout -> rewards -> advantages -> pi_old -> minibatch updates."""
+def rl_step(run: Run, step: int, stop: StopRequest | None = None) -> dict[str, float] | None:
+    """One RL step: rollout -> rewards -> advantages -> pi_old -> minibatch updates. None when
+    `stop` was requested during the rollout (the step is abandoned before any update)."""
     cfg, t0 = run.cfg, time.perf_counter()
     G = cfg.rollout.group_size
     # ---- rollout (this rank's share of the step's prompts)
@@ -541,6 +545,8 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     rollouts = generate(run, rows, step)
     texts = decode_responses(run.tokenizer, rollouts)
     t_rollout = time.perf_counter() - t0
+    if stop is not None and stop.requested(run.dist):
+        return None
     # ---- rewards and group advantages
     rewards, reward_failures = score(run.reward_fn, texts, [row for row in rows for _ in range(G)],
                                      workers=getattr(run.reward_fn, "workers", 1))
@@ -585,15 +591,51 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
 
 
 def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Summary:
-    """Run warm-up (unless resuming) and `train.steps` RL steps; write everything to run_dir."""
-    run = prepare(cfg, Path(run_dir), resume)
-    try:
-        return _train(run, cfg, resume)
-    finally:
-        run.engine.close()
+    """Run warm-up (unless resuming) and `train.steps` RL steps; write everything to run_dir.
+    Holds run_dir's lock throughout (one writer per run); SIGTERM / SIGINT stop it with a
+    checkpoint (gspo.signals)."""
+    with exclusive(run_dir, enabled=int(os.environ.get("RANK", "0")) == 0), StopRequest() as stop:
+        run = prepare(cfg, Path(run_dir), resume)
+        try:
+            return _train(run, cfg, resume, stop)
+        finally:
+            run.engine.close()
 
 
-def _train(run: Run, cfg: Config, resume: bool) -> Summary:
+def save(run: Run, done: int, start_acc, final_acc) -> int:
+    """Checkpoint the state after `done` RL steps (a collective when sharded); returns done."""
+    # DDP: every rank holds the same state, rank 0's is the run's; FSDP: gathered to 0
+    weights, optimizer_state = checkpoint_state(run.policy, run.model, run.optimizer)
+    lora = is_lora(run.model)
+    if lora:  # the merged model for plain transformers; lora/ for an exact resume
+        weights = dict(merged_weights(run.model))
+    reference = run.ref_policy.model.state_dict() if run.ref_policy else None
+    if run.dist.is_main:
+        save_checkpoint(run.run_dir, done, run.model, run.tokenizer, run.optimizer,
+                        run.scheduler, {"step": done, "start_accuracy": start_acc,
+                                        "final_accuracy": final_acc,
+                                        "update_rng": run.gen.get_state()},
+                        keep_last=run.cfg.train.keep_last, weights=weights,
+                        optimizer_state=optimizer_state, reference=reference,
+                        extra=(lambda d: save_adapter(run.model, d / ADAPTER_DIR))
+                        if lora else None)
+    return done
+
+
+def _halt(run: Run, stop: StopRequest, done: int, saved: int | None, start_acc, final_acc,
+          logger) -> None:
+    """After a signal: checkpoint the last finished step (unless it is saved) and stop."""
+    if saved != done:
+        save(run, done, start_acc, final_acc)
+    run.dist.barrier()
+    logger.close()
+    signum, name = stop.name(run.dist)
+    raise Interrupted(f"stopped by {name} after {done} of {run.cfg.train.steps} RL steps; "
+                      f"checkpoint {run.run_dir / 'checkpoints' / f'step_{done:06d}'} holds it; "
+                      f"continue with: gspo train --resume {run.run_dir}", signum)
+
+
+def _train(run: Run, cfg: Config, resume: bool, stop: StopRequest | None = None) -> Summary:
     t = cfg.train
     logger = MetricsLogger(run.run_dir, enabled=run.dist.is_main, tensorboard=t.tensorboard,
                            resume_from_step=run.start_step if resume else None)
@@ -606,8 +648,11 @@ def _train(run: Run, cfg: Config, resume: bool) -> Summary:
     rl_t0 = time.perf_counter()
     bar = _progress(range(run.start_step, t.steps), cfg.algorithm.name.upper(),
                     t.progress and run.dist.is_main)
+    saved = run.start_step if resume else None  # the step the newest checkpoint holds
     for step in bar:
-        row = rl_step(run, step)
+        row = None if stop and stop.requested(run.dist) else rl_step(run, step, stop)
+        if row is None:  # a signal: nothing of this step is applied
+            _halt(run, stop, step, saved, start_acc, final_acc, logger)
         done = step + 1
         if t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps):
             row.update(run_eval(run))
@@ -617,21 +662,7 @@ def _train(run: Run, cfg: Config, resume: bool) -> Summary:
             bar.set_postfix(reward=f"{row['reward/mean']:.2f}",
                             acc="-" if final_acc is None else f"{final_acc:.2f}")
         if (t.save_every > 0 and done % t.save_every == 0) or done == t.steps:
-            # DDP: every rank holds the same state, rank 0's is the run's; FSDP: gathered to 0
-            weights, optimizer_state = checkpoint_state(run.policy, run.model, run.optimizer)
-            lora = is_lora(run.model)
-            if lora:  # the merged model for plain transformers; lora/ for an exact resume
-                weights = dict(merged_weights(run.model))
-            reference = run.ref_policy.model.state_dict() if run.ref_policy else None
-            if run.dist.is_main:
-                save_checkpoint(run.run_dir, done, run.model, run.tokenizer, run.optimizer,
-                                run.scheduler, {"step": done, "start_accuracy": start_acc,
-                                                "final_accuracy": final_acc,
-                                                "update_rng": run.gen.get_state()},
-                                keep_last=t.keep_last, weights=weights,
-                                optimizer_state=optimizer_state, reference=reference,
-                                extra=(lambda d: save_adapter(run.model, d / ADAPTER_DIR))
-                                if lora else None)
+            saved = save(run, done, start_acc, final_acc)
         run.dist.barrier()
     logger.close()
     return Summary(run.run_dir, start_acc, final_acc, run.warmup_s,

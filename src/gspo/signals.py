@@ -1,0 +1,66 @@
+"""SIGTERM and SIGINT (a scheduler's preemption notice, Ctrl-C) end a run cleanly.
+
+The first signal only sets a flag: the loop finishes the optimiser steps under way or abandons a
+rollout that has no update yet, writes a checkpoint of the last finished step, prints where to
+`--resume` from and exits with 128 + the signal number (143 for SIGTERM, 130 for SIGINT), as
+SLURM and shells expect. A second signal exits at once. Under torchrun, ranks agree at each
+check (a max over ranks), so they stop at the same point; torchrun gives its workers about 30 s
+after forwarding a SIGTERM, which bounds how long the final checkpoint may take there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+from gspo.errors import GspoError
+
+log = logging.getLogger(__name__)
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Interrupted(GspoError):
+    """The run stopped on a signal after saving what it had; the message says how to resume."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class StopRequest:
+    """Installs the handlers for the duration of a `with` block (main thread only; elsewhere it
+    stays inert) and records the first signal."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {}
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None:  # the second signal: no more waiting
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+        log.warning("%s received: stopping after the step under way, with a checkpoint "
+                    "(send it again to exit at once)", signal.Signals(signum).name)
+
+    def requested(self, d) -> bool:
+        """Whether any rank got a signal (a collective under torchrun: call it on every rank)."""
+        mine = float(self.signum or 0)
+        return (d.max([mine])[0] if d.enabled else mine) > 0
+
+    def name(self, d) -> tuple[int, str]:
+        signum = int(d.max([float(self.signum or 0)])[0]) if d.enabled else int(self.signum or 0)
+        return signum, signal.Signals(signum).name

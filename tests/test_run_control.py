@@ -1,0 +1,106 @@
+"""A run stopped by SIGTERM / SIGINT leaves a checkpoint and says how to resume; a second signal
+exits at once; one run directory has one writer, and a crashed writer's lock never blocks."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gspo.logger import read_metrics
+
+TINY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
+        "model.intermediate_size=64", "data.n_train=200", "data.n_eval=8",
+        "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=4",
+        "warmup.steps=2", "warmup.batch_size=8", "train.eval_every=0", "train.save_every=0",
+        "train.progress=false", "train.tensorboard=false"]
+
+
+def start(run_dir, *args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "gspo", "train", "--output-dir", str(run_dir),
+                             *TINY, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def wait_for(what, timeout: float = 120.0, proc=None):
+    t0 = time.monotonic()
+    while not what():
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"the run ended early (exit {proc.returncode}): {proc.stderr.read()[-2000:]}")
+        if time.monotonic() - t0 > timeout:
+            pytest.fail(f"waited {timeout} s")
+        time.sleep(0.2)
+
+
+def steps_logged(run_dir) -> int:
+    try:
+        return max((r["step"] for r in read_metrics(run_dir)), default=0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def finish(proc, timeout: float = 120.0) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the run did not exit within {timeout} s of the signal")
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_checkpoints_the_last_step_and_says_how_to_resume(tmp_path, sig, code):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "train.steps=100000")
+    wait_for(lambda: steps_logged(run_dir) >= 2, proc=proc)
+    proc.send_signal(sig)
+    rc, err = finish(proc)
+    assert rc == code, err[-2000:]
+    assert "Traceback" not in err
+    done = steps_logged(run_dir)  # the step under way finished, or was abandoned unlogged
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"gspo: stopped by {sig.name} after {done} of 100000 RL steps"), last
+    assert f"continue with: gspo train --resume {run_dir}" in last
+    assert (run_dir / "checkpoints" / f"step_{done:06d}" / "model.safetensors").is_file()
+    # the resume continues from there, each step logged once
+    out = subprocess.run([sys.executable, "-m", "gspo", "train", "--resume", str(run_dir),
+                          f"train.steps={done + 1}"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, done + 2))
+
+
+def test_a_second_signal_exits_at_once(tmp_path):
+    run_dir = tmp_path / "run"
+    # a slow step (long responses): the first signal alone would wait for it to finish
+    proc = start(run_dir, "train.steps=100000", "rollout.max_new_tokens=64",
+                 "rollout.prompts_per_step=16")
+    wait_for(lambda: steps_logged(run_dir) >= 1, proc=proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    rc, err = finish(proc, timeout=30)
+    assert rc == -signal.SIGINT and time.monotonic() - t0 < 10
+    assert "Traceback" not in err
+
+
+def test_one_writer_per_run_directory_and_a_killed_writer_does_not_block(tmp_path):
+    run_dir = tmp_path / "run"
+    first = start(run_dir, "train.steps=100000")
+    wait_for(lambda: steps_logged(run_dir) >= 1, proc=first)
+    config = (run_dir / "config.yaml").read_text()
+    second = subprocess.run([sys.executable, "-m", "gspo", "train", "--output-dir", str(run_dir),
+                             *TINY, "train.steps=1", "optim.lr=0.5"], capture_output=True,
+                            text=True, timeout=120)
+    assert second.returncode == 2 and "Traceback" not in second.stderr
+    assert f"{run_dir} is in use by another gspo train (pid {first.pid} on " in second.stderr
+    assert (run_dir / "config.yaml").read_text() == config  # the running run's files untouched
+    os.killpg(first.pid, signal.SIGKILL)
+    first.communicate()
+    # the lock died with its holder: the directory (no checkpoint yet) takes a new run
+    third = subprocess.run([sys.executable, "-m", "gspo", "train", "--output-dir", str(run_dir),
+                            *TINY, "train.steps=1"], capture_output=True, text=True, timeout=300)
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(run_dir)] == [1]
