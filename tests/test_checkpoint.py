@@ -1,5 +1,6 @@
 """Tests for gspo.checkpoint: HF-loadable output, atomic writes, pruning, exact resume."""
 
+import os
 import random
 
 import numpy as np
@@ -109,7 +110,8 @@ def test_crash_mid_save_leaves_earlier_checkpoint_and_no_partial(tmp_path, monke
         raise OSError("disk full")
 
     monkeypatch.setattr(model, "save_pretrained", crash)
-    with pytest.raises(OSError, match="disk full"):
+    from gspo.errors import TrainingError
+    with pytest.raises(TrainingError, match=r"could not write checkpoint step_000002 .*\(disk full\)"):
         save(tmp_path, 2, model=model)
     ckpts = tmp_path / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000001"]
@@ -209,3 +211,72 @@ def test_load_checkpoint_converts_moe_expert_layout(tmp_path):
     load_checkpoint(ckpt, fresh)
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+# ---------------------------------------------------------------------------- damage
+
+
+def _truncate(path, keep: int = 10):
+    data = path.read_bytes()
+    path.write_bytes(data[:keep])
+
+
+def _flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("harm, file, says", [
+    (_truncate, "model.safetensors", "model.safetensors has 10 bytes where"),
+    (_flip_a_byte, "trainer_state.pt", "trainer_state.pt does not match the checksum"),
+    (lambda p: p.unlink(), "tokenizer.json", "tokenizer.json is missing"),
+])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, caplog, harm,
+                                                                         file, says):
+    first = save(tmp_path, 1)
+    second = save(tmp_path, 2)
+    harm(second / file)
+    assert latest_checkpoint(tmp_path) == second  # unverified: the pointer as it is
+    with caplog.at_level("WARNING", logger="gspo.checkpoint"):
+        assert latest_checkpoint(tmp_path, verify=True) == first
+    assert says in caplog.text and "resuming from step_000001" in caplog.text
+
+
+def test_no_intact_checkpoint_is_one_clear_error(tmp_path):
+    from gspo.errors import TrainingError
+    for step in (1, 2):
+        _flip_a_byte(save(tmp_path, step) / "model.safetensors")
+    with pytest.raises(TrainingError, match=r"no intact checkpoint in .*step_000002: model"
+                                            r".*; step_000001: model.*start a new run"):
+        latest_checkpoint(tmp_path, verify=True)
+
+
+def test_a_full_disk_is_one_clear_error_and_keeps_the_earlier_checkpoints(tmp_path):
+    import subprocess
+
+    from gspo.errors import TrainingError
+    fs = tmp_path / "small"
+    fs.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(fs)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        first = save(fs, 1)
+        fd = os.open(fs / "filler", os.O_WRONLY | os.O_CREAT)
+        try:  # fill the disk, then free a few KB: far less than a checkpoint needs
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError:
+            os.ftruncate(fd, max(0, os.fstat(fd).st_size - 16384))
+        finally:
+            os.close(fd)
+        with pytest.raises(TrainingError, match=r"could not write checkpoint step_000002 in "
+                                                r".*checkpoints \(.*\); it needs about \d+ MB and "
+                                                r"\d+ MB are free there; the earlier checkpoints "
+                                                r"are intact"):
+            save(fs, 2)
+        assert latest_checkpoint(fs, verify=True) == first
+        assert sorted(p.name for p in (fs / "checkpoints").iterdir()) == ["latest", "step_000001"]
+    finally:
+        subprocess.run(["umount", str(fs)], check=False)

@@ -51,3 +51,15 @@ def test_plot_writes_pngs(tmp_path, tiny_overrides):
     assert out.returncode == 0, out.stderr
     pngs = list((tmp_path / "plots").glob("*.png"))
     assert pngs and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_resume_skips_a_damaged_latest_checkpoint_and_says_so(tmp_path, tiny_overrides):
+    run = tmp_path / "run"
+    assert run_cli("train", "--output-dir", str(run), *tiny_overrides).returncode == 0
+    weights = run / "checkpoints" / "step_000002" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated, as by a full disk or a crash
+    out = run_cli("train", "--resume", str(run))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "step_000002 is damaged (model.safetensors has 100 bytes where" in out.stderr
+    assert "resuming from step_000001, the newest intact checkpoint" in out.stderr
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]  # step 2 trained again, once

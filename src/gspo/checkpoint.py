@@ -6,12 +6,19 @@ A checkpoint is `run_dir/checkpoints/step_{step:06d}/` holding
     tokenizer files                       -> loadable by plain `from_pretrained`
     trainer_state.pt                      -> optimizer, scheduler, trainer dict, RNG states
     reference.pt (only with a KL penalty) -> pi_ref's weights, the policy RL started from
+    manifest.json                         -> size and SHA-256 of every other file, written last
 
 Writes are atomic: everything goes into a hidden temp dir next to the final one, is fsynced,
 then renamed into place, so a directory named `step_*` is always complete. A crash leaves at
 worst a hidden `.tmp-*` / `.trash-*` / `.old-*` dir, which the next save cleans up (an `.old-*`
 dir is a finished checkpoint moved aside while the same step was re-saved; it is renamed back
 if the re-save never landed). `checkpoints/latest` names the most recently written checkpoint.
+
+Reads are verified: `latest_checkpoint(run_dir, verify=True)` (what a resume uses) checks every
+file against the manifest and falls back to the newest intact checkpoint, saying which and why
+(a truncated file, a flipped byte, a deleted one). A save that fails (disk full, permissions)
+raises one TrainingError naming the directory and the space needed, and leaves the earlier
+checkpoints as they were.
 
 Scope: the caller passes full (unsharded) state, on one process. Under FSDP, rank 0 passes
 the gathered weights and optimizer state (`weights=`, `optimizer_state=`; see
@@ -20,7 +27,9 @@ gspo.distributed.full_weights / full_optimizer_state), in the same layout one pr
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -30,13 +39,18 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
+from gspo.errors import TrainingError
 from gspo.weights import untied_missing
+
+log = logging.getLogger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 STATE_FILE = "trainer_state.pt"
 REFERENCE_FILE = "reference.pt"
+MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _HIDDEN_PREFIXES = (".tmp-", ".trash-", ".old-")
@@ -88,8 +102,16 @@ def save_checkpoint(
             torch.save(reference, tmp / REFERENCE_FILE)
         if extra is not None:
             extra(tmp)
+        _write_manifest(tmp)
         _fsync_tree(tmp)
         final = _publish(tmp, ckpts / name)
+    except (OSError, RuntimeError, SafetensorError) as e:  # disk full, permissions (torch and
+        # safetensors report ENOSPC in their own exception types)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise TrainingError(f"could not write checkpoint {name} in {ckpts} "
+                            f"({str(e).splitlines()[0][:200]}); it needs about "
+                            f"{_needed_mb(ckpts, model):.0f} MB and {_free_mb(ckpts):.0f} MB are "
+                            f"free there; the earlier checkpoints are intact") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -109,6 +131,60 @@ def _trainer_payload(step: int, optimizer_state: dict | None, scheduler, trainer
         "trainer_state": dict(trainer_state),
         "rng": _get_rng_state(),
     }
+
+
+def _write_manifest(d: Path) -> None:
+    files = sorted(p for p in d.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+    entries = {str(p.relative_to(d)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+               for p in files}
+    (d / MANIFEST_FILE).write_text(json.dumps({"files": entries}, indent=1) + "\n")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def damage(d: Path) -> str | None:
+    """What is wrong with checkpoint `d`, or None when every file matches its manifest. A
+    checkpoint written before manifests existed is only checked for its required files."""
+    if not _is_complete(d):
+        return "config, weights or trainer state missing"
+    manifest = d / MANIFEST_FILE
+    if not manifest.is_file():
+        return None
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{MANIFEST_FILE} is unreadable"
+    for rel, entry in entries.items():
+        path = d / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            return f"{rel} has {size} bytes where {entry['bytes']} were written"
+        if _sha256(path) != entry["sha256"]:
+            return f"{rel} does not match the checksum it was written with"
+    return None
+
+
+def _needed_mb(ckpts: Path, model) -> float:
+    """The size of the newest finished checkpoint, else weights plus AdamW's two moments."""
+    done = _complete_checkpoints(ckpts) if ckpts.is_dir() else []
+    if done:
+        return sum(p.stat().st_size for p in done[-1].rglob("*") if p.is_file()) / 2**20
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+
+
+def _free_mb(path: Path) -> float:
+    try:
+        return shutil.disk_usage(path).free / 2**20
+    except OSError:
+        return float("nan")
 
 
 def _publish(tmp: Path, final: Path) -> Path:
@@ -193,26 +269,45 @@ def _fsync_dir(path: Path) -> None:
 # ---------------------------------------------------------------------------- find
 
 
-def latest_checkpoint(path: str | os.PathLike) -> Path | None:
+def latest_checkpoint(path: str | os.PathLike, verify: bool = False) -> Path | None:
     """Newest complete checkpoint under a run dir, its checkpoints dir, or a checkpoint dir.
 
     "Newest" is the one `latest` names (the last written, which matters after resuming from an
     earlier step); if that is missing or incomplete, the highest complete step. Temp dirs are
     never returned. None when there is no complete checkpoint.
+
+    verify: check the files against their manifests; a damaged checkpoint is reported (one
+    warning) and the next older one is tried; TrainingError when none is intact.
     """
     path = Path(path)
     if _STEP_RE.match(path.name):
-        return path if _is_complete(path) else None
-    ckpts = path / CHECKPOINTS_DIR if (path / CHECKPOINTS_DIR).is_dir() else path
-    if not ckpts.is_dir():
-        return None
-    pointer = ckpts / LATEST_FILE
-    if pointer.is_file():
-        named = ckpts / pointer.read_text().strip()
-        if _STEP_RE.match(named.name) and _is_complete(named):
-            return named
-    complete = _complete_checkpoints(ckpts)
-    return complete[-1] if complete else None
+        candidates = [path] if _is_complete(path) else []
+    else:
+        ckpts = path / CHECKPOINTS_DIR if (path / CHECKPOINTS_DIR).is_dir() else path
+        if not ckpts.is_dir():
+            return None
+        candidates = _complete_checkpoints(ckpts)[::-1]
+        pointer = ckpts / LATEST_FILE
+        if pointer.is_file():
+            named = ckpts / pointer.read_text().strip()
+            if named in candidates:
+                candidates.remove(named)
+                candidates.insert(0, named)
+    if not verify:
+        return candidates[0] if candidates else None
+    damaged = []
+    for ckpt in candidates:
+        problem = damage(ckpt)
+        if problem is None:
+            if damaged:
+                log.warning("resuming from %s, the newest intact checkpoint", ckpt.name)
+            return ckpt
+        log.warning("checkpoint %s is damaged (%s); trying the one before it", ckpt, problem)
+        damaged.append(f"{ckpt.name}: {problem}")
+    if damaged:
+        raise TrainingError(f"no intact checkpoint in {path}: {'; '.join(damaged)}; start a new "
+                            f"run (or restore the files)")
+    return None
 
 
 def _complete_checkpoints(ckpts: Path) -> list[Path]:

@@ -365,7 +365,7 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
     if not resume and latest_checkpoint(run_dir) is not None:
         raise TrainingError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
                             f"continue it or choose a new --output-dir")
-    ckpt = latest_checkpoint(run_dir) if resume else None
+    ckpt = latest_checkpoint(run_dir, verify=True) if resume else None
     if resume and ckpt is None:
         raise TrainingError(f"--resume {run_dir}: no finished checkpoint found there")
     run_dir.mkdir(parents=True, exist_ok=True)
