@@ -63,3 +63,38 @@ def test_resume_skips_a_damaged_latest_checkpoint_and_says_so(tmp_path, tiny_ove
     assert "step_000002 is damaged (model.safetensors has 100 bytes where" in out.stderr
     assert "resuming from step_000001, the newest intact checkpoint" in out.stderr
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]  # step 2 trained again, once
+
+
+def test_an_unknown_hub_id_without_network_fails_at_once_naming_it(tmp_path):
+    import time
+
+    import pytest
+
+    from gspo.models import _hub_unreachable
+    if _hub_unreachable() is None:
+        pytest.skip("the hub is reachable from here: transformers reports the missing repo")
+    t0 = time.monotonic()
+    out = run_cli("train", "--output-dir", str(tmp_path / "run"),
+                  "model.name_or_path=no-such-org/no-such-model", "train.steps=1")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "model 'no-such-org/no-such-model' is not a local directory nor in the Hugging Face " \
+           "cache, and the hub at " in out.stderr
+    assert time.monotonic() - t0 < 60  # no retry loop with back-off (it took 40 s and more)
+
+
+def test_hf_hub_offline_is_named_in_the_error(monkeypatch):
+    import pytest
+    from huggingface_hub import constants
+
+    from gspo.models import ModelLoadError, load_model
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match="nor in the Hugging Face cache, and HF_HUB_OFFLINE is set"):
+        load_model("no-such-org/no-such-model")
+
+
+def test_a_tiny_model_too_big_for_this_machine_is_refused_before_allocation(tmp_path):
+    out = run_cli("train", "--output-dir", str(tmp_path / "run"), "model.hidden_size=65536",
+                  "model.intermediate_size=262144", "model.num_heads=512", "model.num_kv_heads=512")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "the tiny model (hidden_size=65536, 2 layers) has " in out.stderr
+    assert "GiB available; choose a smaller model" in out.stderr

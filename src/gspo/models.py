@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import socket
 import string
 
 import torch
@@ -93,7 +94,36 @@ def _token_ids(tokenizer) -> dict:
     }
 
 
+# bytes per parameter a training run holds: float32 weights, gradients, AdamW's two moments
+TRAIN_BYTES_PER_PARAM = 16
+
+
+def check_fits(model_cls, config, what: str) -> None:
+    """Refuse, before anything is allocated, a model whose weights, gradients and AdamW state
+    alone exceed this machine's available memory (counted on the meta device: no memory)."""
+    with torch.device("meta"):
+        n = sum(p.numel() for p in model_cls(config).parameters())
+    need = n * TRAIN_BYTES_PER_PARAM
+    available = _available_bytes()
+    if available is not None and need > available:
+        raise ModelLoadError(f"{what} has {n / 1e6:,.0f} M parameters: training it needs about "
+                             f"{need / 2**30:.1f} GiB (weights, gradients, AdamW state at "
+                             f"{TRAIN_BYTES_PER_PARAM} bytes each) and this machine has "
+                             f"{available / 2**30:.1f} GiB available; choose a smaller model")
+
+
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def _init_model(model_cls, config, seed: int):
+    check_fits(model_cls, config, f"the tiny model (hidden_size={config.hidden_size}, "
+                                  f"{config.num_hidden_layers} layers)")
     # fork_rng: building a model must not move the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -174,6 +204,30 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
 
 
+def _in_hub_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except (ImportError, ValueError):  # ValueError: not a valid repo id
+        return False
+
+
+def _hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the hub cannot be used from here (offline mode, no route), or None when it answers."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    url = urlparse(constants.ENDPOINT)
+    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return f"the hub at {constants.ENDPOINT} cannot be reached from here ({e.strerror or e})"
+    return None
+
+
 def load_model(
     name_or_path: str,
     dtype: str = "float32",
@@ -195,6 +249,11 @@ def load_model(
     path = os.path.expanduser(name_or_path)
     if _looks_like_path(name_or_path) and not os.path.exists(path):
         raise ModelLoadError(f"model {name_or_path!r} not found: {hint}")
+    if not os.path.exists(path) and not _in_hub_cache(name_or_path):
+        where = _hub_unreachable()
+        if where:  # fail now, not after transformers' retries with back-off
+            raise ModelLoadError(f"model {name_or_path!r} is not a local directory nor in the "
+                                 f"Hugging Face cache, and {where}: {hint}")
     try:
         torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
