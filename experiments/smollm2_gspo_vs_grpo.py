@@ -40,7 +40,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--algorithms", nargs="+", default=["gspo", "grpo"])
+    p.add_argument("--algorithms", nargs="+", default=["gspo", "grpo"],
+                   help="each NAME or NAME@key=value,key=value (a variant with overrides, e.g. "
+                        "gspo@optim.lr=1.5e-5)")
     p.add_argument("--runs", default="runs/smollm2-gspo-vs-grpo", help="where run dirs go")
     p.add_argument("--out", default="docs/results")
     p.add_argument("--reuse", nargs="*", default=[], metavar="ALGO:SEED:DIR")
@@ -52,7 +54,7 @@ def run_dir(a, algo: str, seed: int) -> Path:
         r_algo, r_seed, path = spec.split(":", 2)
         if (r_algo, int(r_seed)) == (algo, seed):
             return Path(path)
-    return Path(a.runs) / f"{algo}-s{seed}"
+    return Path(a.runs) / f"{algo.replace('@', '-').replace('=', '').replace(',', '-')}-s{seed}"
 
 
 def finished(path: Path, steps: int) -> bool:
@@ -68,6 +70,7 @@ def summarise(rows: list[dict], steps: int) -> dict:
     step_s = [r["time/rollout_s"] + r["time/old_logp_s"] + r["time/update_s"] for r in rl]
     return {"evals": evals, "clip_frac": statistics.mean(r["clip/frac"] for r in rl),
             "reward_last5": statistics.mean(r["reward/mean"] for r in rl[-5:]),
+            "len_mean": statistics.mean(r["response/len_mean"] for r in rl),
             "s_per_step": statistics.mean(step_s)}
 
 
@@ -79,10 +82,11 @@ def main(argv=None) -> int:
         for seed in a.seeds:
             path = run_dir(a, algo, seed)
             if not finished(path, a.steps):
+                name, _, extra = algo.partition("@")
                 cfg = load_config(RECIPE, [f"model.name_or_path={json.dumps(str(model))}",
-                                           f"algorithm={algo}", f"train.seed={seed}",
+                                           f"algorithm={name}", f"train.seed={seed}",
                                            f"train.steps={a.steps}", "train.progress=false",
-                                           "train.save_every=0"])
+                                           "train.save_every=0", *filter(None, extra.split(","))])
                 print(f"training {algo} seed {seed} -> {path}", flush=True)
                 train(cfg, path)
             results[(algo, seed)] = (path, read_metrics(path / "metrics.jsonl"))
@@ -96,12 +100,12 @@ def write_report(a, results) -> None:
     sums = {k: summarise(rows, a.steps) for k, (_, rows) in results.items()}
     steps = sorted({s for v in sums.values() for s in v["evals"]})
     head = "| algorithm | seed | " + " | ".join(f"acc @ {s}" for s in steps) + \
-           " | clip frac | reward (last 5 steps) | s / step |"
+           " | clip frac | reward (last 5 steps) | response tokens | s / step |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for (algo, seed), v in sums.items():
         accs = " | ".join(f"{100 * v['evals'][s]:.1f}%" if s in v["evals"] else "-" for s in steps)
         lines.append(f"| {algo} | {seed} | {accs} | {v['clip_frac']:.3f} | "
-                     f"{v['reward_last5']:.3f} | {v['s_per_step']:.1f} |")
+                     f"{v['reward_last5']:.3f} | {v['len_mean']:.1f} | {v['s_per_step']:.1f} |")
     for algo in a.algorithms:
         vs = [v for (al, _), v in sums.items() if al == algo]
         accs = " | ".join(f"{100 * statistics.mean(v['evals'][s] for v in vs):.1f}%"
@@ -109,6 +113,7 @@ def write_report(a, results) -> None:
         lines.append(f"| **{algo} mean** | {len(vs)} seeds | {accs} | "
                      f"{statistics.mean(v['clip_frac'] for v in vs):.3f} | "
                      f"{statistics.mean(v['reward_last5'] for v in vs):.3f} | "
+                     f"{statistics.mean(v['len_mean'] for v in vs):.1f} | "
                      f"{statistics.mean(v['s_per_step'] for v in vs):.1f} |")
     (out / "smollm2_gspo_vs_grpo.json").write_text(json.dumps(
         {f"{al}-s{sd}": {**v, "run": str(results[(al, sd)][0])} for (al, sd), v in sums.items()},
@@ -121,7 +126,7 @@ def write_report(a, results) -> None:
         for (algo, seed), (_, rows) in results.items():
             pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None and r["step"] <= a.steps]
             ax.plot(*zip(*pts), marker="o" if key == "eval/accuracy" else None,
-                    color="C0" if algo == "gspo" else "C3", alpha=0.5 + 0.5 * (seed == 0),
+                    color=f"C{a.algorithms.index(algo)}", alpha=0.5 + 0.5 * (seed == 0),
                     label=f"{algo} seed {seed}")
         ax.set_xlabel("RL step")
         ax.set_title(title)

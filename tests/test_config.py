@@ -76,3 +76,13 @@ def test_help_lists_every_field_with_its_help():
         for f in dataclasses.fields(section.default_factory()):
             assert f"{section.name}.{f.name}=" in text
             assert f.metadata["help"] in text
+
+
+def test_rollout_engine_names_come_from_the_engine_registry(monkeypatch):
+    from gspo.config import ConfigError, load_config
+    from gspo.engines import ENGINES, HFEngine
+    monkeypatch.setitem(ENGINES, "toy", HFEngine)  # what adding an engine file amounts to
+    assert load_config(overrides=["rollout.engine=toy"]).rollout.engine == "toy"
+    with pytest.raises(ConfigError, match="rollout.engine 'sglang' is unknown; available: hf, "
+                                          "toy, vllm"):
+        load_config(overrides=["rollout.engine=sglang"])

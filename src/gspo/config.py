@@ -343,8 +343,10 @@ def resolve(cfg: Config) -> Config:
         raise ConfigError(f"rollout batch {batch} (prompts_per_step {r.prompts_per_step} x "
                           f"group_size {r.group_size}) is not divisible by algorithm.minibatches "
                           f"{a.minibatches}")
-    if r.engine not in ("hf", "vllm"):
-        raise ConfigError(f"rollout.engine '{r.engine}' is unknown; available: hf, vllm")
+    from gspo.engines import ENGINES  # the registry a new engine is added to
+    if r.engine not in ENGINES:
+        raise ConfigError(f"rollout.engine '{r.engine}' is unknown; available: "
+                          f"{', '.join(sorted(ENGINES))}")
     if r.dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"rollout.dtype '{r.dtype}' is unknown; use float32 or bfloat16")
     if a.old_logprobs not in ("recompute", "rollout"):
