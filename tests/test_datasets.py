@@ -179,8 +179,9 @@ def test_a_custom_reward_from_a_file_is_used_and_a_raising_one_counts_zero(tmp_p
     assert reward("abc", answer="3") == 1.0
     broken = load_reward(f"{tmp_path}/my_reward.py:broken")
     with caplog.at_level(logging.WARNING):
-        rewards, failures = score(broken, ["x", "y"], [{"prompt": "p"}] * 2)
+        rewards, failures, first = score(broken, ["x", "y"], [{"prompt": "p"}] * 2)
     assert rewards == [0.0, 0.0] and failures == 2 and "boom" in caplog.text
+    assert first == "RuntimeError: boom"
 
 
 @pytest.mark.parametrize("spec, message", [

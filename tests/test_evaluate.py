@@ -40,10 +40,36 @@ def test_a_raising_reward_scores_zero_and_is_counted():
         return float(completion == answer)
 
     rows = [{"prompt": "p", "answer": "1"}] * 3
-    rewards, failures = score(reward, ["1", "boom", "2"], rows)
-    assert rewards == [1.0, 0.0, 0.0] and failures == 1
+    rewards, failures, first = score(reward, ["1", "boom", "2"], rows)
+    assert rewards == [1.0, 0.0, 0.0] and failures == 1 and first == "RuntimeError: bad"
 
 
-def test_a_nan_reward_scores_zero():
-    rewards, failures = score(lambda c, **_: float("nan"), ["x"], [{"prompt": "p"}])
-    assert rewards == [0.0] and failures == 1
+def _exits(completion, **_):
+    raise SystemExit(3)
+
+
+def _sleeps(completion, **_):
+    import time
+    time.sleep(30)
+    return 1.0
+
+
+@pytest.mark.parametrize("reward, says", [
+    (lambda c, **_: float("nan"), "ValueError: reward nan is not a finite number"),
+    (lambda c, **_: 1e30, "ValueError: reward 1e+30 is not a finite number within +-1e+06"),
+    (lambda c, **_: "high", "ValueError: could not convert string to float"),
+    (_exits, "SystemExit: 3"),  # used to end the whole run with exit 3 and no message
+])
+def test_a_reward_that_is_not_a_sane_number_fails_and_is_counted(reward, says):
+    rewards, failures, first = score(reward, ["x", "y"], [{"prompt": "p"}] * 2)
+    assert rewards == [0.0, 0.0] and failures == 2 and first.startswith(says)
+
+
+def test_a_reward_past_its_timeout_fails_without_waiting_for_it():
+    import time
+    t0 = time.monotonic()
+    rewards, failures, first = score(_sleeps, ["x"] * 4, [{"prompt": "p"}] * 4, workers=2,
+                                     timeout=0.3)
+    assert rewards == [0.0] * 4 and failures == 4
+    assert first == "TimeoutError: the reward took longer than 0.3 s (data.reward_fn_timeout)"
+    assert time.monotonic() - t0 < 5  # two batches of 2 calls, 0.3 s each, not 4 x 30 s

@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,3 +135,39 @@ def test_a_saved_run_trains_from_a_local_model_path(tmp_path, tiny_overrides):
                                                   "train.steps=1"])
     summary = train(cfg, tmp_path / "b")
     assert summary.steps == 1 and latest_checkpoint(tmp_path / "b") is not None
+
+
+REWARDS = Path(__file__).with_name("user_rewards.py")
+
+
+def test_a_reward_failing_on_every_completion_of_the_first_step_stops_the_run(tmp_path,
+                                                                            tiny_overrides):
+    cfg = load_config(overrides=tiny_overrides + [f"data.reward={REWARDS}:needs_a_missing_package"])
+    with pytest.raises(TrainingError, match=r"the reward failed on 16 of 16 completions of the "
+                                            r"first RL step \(first error: ModuleNotFoundError: "
+                                            r"No module named 'gspo_no_such_package'\)"):
+        train(cfg, tmp_path / "run")
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0]  # no step trained on it
+
+
+def test_a_reward_failing_on_most_of_a_window_stops_the_run(tmp_path, tiny_overrides, monkeypatch):
+    monkeypatch.setenv("GSPO_TEST_CALLS", "0")
+    cfg = load_config(overrides=tiny_overrides + [
+        f"data.reward={REWARDS}:fails_after_step_1", "train.steps=20", "train.eval_every=0",
+        "train.save_every=0"])
+    # step 1 scores, steps 2.. fail: after 10 steps 144 of 160 failed (> 0.5)
+    with pytest.raises(TrainingError, match=r"failed on 144 of 160 completions of the last 10 RL "
+                                            r"steps \(first error: RuntimeError: the scoring"):
+        train(cfg, tmp_path / "run")
+    assert max(r["step"] for r in read_metrics(tmp_path / "run")) == 9
+
+
+def test_rewards_all_equal_for_five_steps_warn_that_nothing_is_learned(tmp_path, tiny_overrides,
+                                                                      caplog):
+    cfg = load_config(overrides=tiny_overrides + [f"data.reward={REWARDS}:constant",
+                                                  "train.steps=6", "train.eval_every=0"])
+    with caplog.at_level("WARNING", logger="gspo.trainer"):
+        train(cfg, tmp_path / "run")
+    said = [r.message for r in caplog.records if "was the same" in r.message]
+    assert said == ["every reward of RL steps 1-5 was the same: the group advantages are 0 and "
+                    "the policy does not learn; check the reward function and the data"]

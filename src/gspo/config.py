@@ -93,6 +93,11 @@ class DataConfig:
                               "answer / a fenced code block), in [0, 1)")
     reward_timeout: float = _f(5.0, "math: seconds math-verify may spend on one completion "
                                "before it scores 0")
+    reward_fn_timeout: float = _f(60.0, "any reward: seconds one call may take before it fails "
+                                  "(scored 0 and counted; the call is abandoned); 0 = no limit")
+    max_reward_failures: float = _f(0.5, "stop the run when more than this fraction of the "
+                                    "completions of the last 10 RL steps failed to score (and "
+                                    "at once when all of the first step's did); 1 = never")
     code_timeout: float = _f(5.0, "code: wall-clock and CPU seconds of one test run")
     code_memory_mb: int = _f(1024, "code: address-space limit of each process of a test run")
     code_workers: int = _f(0, "code: test runs in parallel (0 = the number of CPUs)")
@@ -423,6 +428,9 @@ def _check_data(d: DataConfig) -> None:
         if getattr(d, key) not in allowed:
             raise ConfigError(f"data.{key} '{getattr(d, key)}' is unknown; choose "
                               f"{' or '.join(allowed)}")
+    _positive("data.reward_fn_timeout", d.reward_fn_timeout, allow_zero=True)
+    if not 0 <= d.max_reward_failures <= 1:
+        raise ConfigError(f"data.max_reward_failures must be in [0, 1], got {d.max_reward_failures}")
     if not 0 <= d.format_weight < 1:
         raise ConfigError(f"data.format_weight must be in [0, 1) so that a well-formed wrong "
                           f"answer never counts as solved, got {d.format_weight}")

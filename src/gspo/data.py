@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
 from typing import Callable, Sequence
 
 log = logging.getLogger(__name__)
@@ -34,31 +35,61 @@ def encode_prompts(tokenizer, rows: Sequence[dict], system_prompt: str | None = 
     return out
 
 
-def score(reward_fn: RewardFn, completions: Sequence[str], rows: Sequence[dict],
-          workers: int = 1) -> tuple[list[float], int]:
-    """Rewards of completions[i] against rows[i]; returns (rewards, number of failed calls).
+MAX_ABS_REWARD = 1e6
+"""A reward beyond this magnitude is taken for a bug (an unscaled sum, a sentinel) and fails."""
 
-    workers > 1 scores in a thread pool (for rewards that wait on subprocesses, e.g. code)."""
-    def one(completion: str, row: dict) -> tuple[float, Exception | None]:
+
+def score(reward_fn: RewardFn, completions: Sequence[str], rows: Sequence[dict],
+          workers: int = 1, timeout: float | None = None) -> tuple[list[float], int, str | None]:
+    """Rewards of completions[i] against rows[i]; returns (rewards, number of failed calls, the
+    first failure as one line, or None).
+
+    A call fails (scores 0, counted) when it raises (SystemExit included), returns a non-number,
+    a non-finite value or one beyond MAX_ABS_REWARD, or runs past `timeout` seconds; a call
+    past its timeout is abandoned in its (daemon) thread. workers > 1 scores that many calls at
+    once (for rewards that wait on subprocesses, e.g. code)."""
+    def one(completion: str, row: dict) -> tuple[float, BaseException | None]:
         fields = {k: v for k, v in row.items() if k != "prompt"}
         try:
             r = float(reward_fn(completion, **fields))
-            if not math.isfinite(r):
-                raise ValueError(f"non-finite reward {r}")
+            if not math.isfinite(r) or abs(r) > MAX_ABS_REWARD:
+                raise ValueError(f"reward {r} is not a finite number within +-{MAX_ABS_REWARD:g}")
             return r, None
-        except Exception as e:  # a user's reward must never kill the run
+        except (Exception, SystemExit) as e:  # a user's reward must never kill the run
             return 0.0, e
 
     if len(completions) != len(rows):
         raise ValueError(f"{len(completions)} completions but {len(rows)} rows")
-    if workers > 1:
-        with ThreadPoolExecutor(workers) as pool:
-            results = list(pool.map(one, completions, rows))
-    else:
+    if timeout is None and workers <= 1:
         results = [one(c, r) for c, r in zip(completions, rows)]
+    else:
+        results = _bounded(one, list(zip(completions, rows)), max(1, workers), timeout)
     errors = [e for _, e in results if e is not None]
+    first = None
     if errors:
-        log.warning("reward function %s failed on %d of %d completions (first: %s: %s); "
-                    "scored 0", getattr(reward_fn, "__name__", reward_fn), len(errors),
-                    len(results), type(errors[0]).__name__, errors[0])
-    return [r for r, _ in results], len(errors)
+        lines = str(errors[0]).strip().splitlines()
+        first = type(errors[0]).__name__ + (f": {lines[0][:300]}" if lines else "")
+        log.warning("reward function %s failed on %d of %d completions (first: %s); scored 0",
+                    getattr(reward_fn, "__name__", reward_fn), len(errors), len(results), first)
+    return [r for r, _ in results], len(errors), first
+
+
+def _bounded(one, calls: list[tuple], workers: int, timeout: float | None) -> list[tuple]:
+    """one(*call) for every call, `workers` at a time in daemon threads, each given `timeout`."""
+    results: list = [None] * len(calls)
+
+    def run(i):
+        results[i] = one(*calls[i])
+
+    for start in range(0, len(calls), workers):
+        batch = range(start, min(start + workers, len(calls)))
+        threads = {i: threading.Thread(target=run, args=(i,), daemon=True) for i in batch}
+        for t in threads.values():
+            t.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for i, t in threads.items():
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if results[i] is None:
+                results[i] = (0.0, TimeoutError(f"the reward took longer than {timeout:g} s "
+                                                f"(data.reward_fn_timeout)"))
+    return results

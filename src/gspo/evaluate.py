@@ -37,16 +37,18 @@ class EvalResult:
 
 def evaluate(engine: RolloutEngine, tokenizer, rows: Sequence[dict], reward_fn: RewardFn,
              k: int, params: SamplingParams, seed: int, batch_size: int = 64,
-             system_prompt: str | None = None, success_threshold: float = 1.0) -> EvalResult:
+             system_prompt: str | None = None, success_threshold: float = 1.0,
+             reward_timeout_s: float | None = None) -> EvalResult:
     """Sample k responses per row and score them; a sample counts as correct for pass@k when
-    its reward is >= success_threshold."""
+    its reward is >= success_threshold. A reward call past reward_timeout_s fails (scores 0)."""
     per_problem, failures = [], 0
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
         rollouts = engine.generate(encode_prompts(tokenizer, chunk, system_prompt), n=k,
                                    params=params, seed=seed + start)
         texts = decode_responses(tokenizer, rollouts)
-        rewards, fails = score(reward_fn, texts, [row for row in chunk for _ in range(k)])
+        rewards, fails, _ = score(reward_fn, texts, [row for row in chunk for _ in range(k)],
+                                  timeout=reward_timeout_s)
         failures += fails
         for i, row in enumerate(chunk):
             rs = rewards[i * k:(i + 1) * k]

@@ -26,7 +26,7 @@ import random
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -324,6 +324,8 @@ class Run:
     micro: int
     dist: Dist                               # rank / world size (1 without torchrun)
     policy: torch.nn.Module                  # the model's log-prob forward: DDP / FSDP2 on >1 rank
+    reward_window: list = field(default_factory=list)  # (completions, failures) of recent steps
+    constant_reward_steps: int = 0           # consecutive steps whose rewards were all equal
 
 
 def policy_weights(policy, model):
@@ -482,7 +484,8 @@ def run_eval(run: Run) -> dict[str, float]:
     rows = run.eval_rows[d.rank::d.world]
     res = evaluate(run.engine, run.tokenizer, rows, run.reward_fn, t.eval_k,
                    SamplingParams(t.eval_temperature, r.top_p, r.max_new_tokens),
-                   seed=t.seed + 999_983 + d.rank, system_prompt=run.cfg.data.system_prompt or None)
+                   seed=t.seed + 999_983 + d.rank, system_prompt=run.cfg.data.system_prompt or None,
+                   reward_timeout_s=run.cfg.data.reward_fn_timeout or None)
     ks = sorted(res.pass_at)
     n = len(rows)
     totals = d.sum([n, res.avg_at_k * n] + [res.pass_at[k] * n for k in ks])
@@ -533,6 +536,38 @@ def old_policy(run: Run, r: Rollouts, step: int) -> tuple[torch.Tensor, torch.Te
     return train_logp, entropy, metrics
 
 
+REWARD_WINDOW = 10  # RL steps over which data.max_reward_failures is judged
+CONSTANT_REWARD_STEPS = 5  # steps of identical rewards after which the run warns
+
+
+def check_reward_failures(run: Run, step: int, n: int, failures: int, first: str | None) -> None:
+    """Stop the run when its reward cannot be trusted: every completion of the first step
+    failed (a missing package, a wrong field name), or more than data.max_reward_failures of
+    the last REWARD_WINDOW steps' completions did. Counts are summed over ranks."""
+    n, failures = run.dist.sum([n, failures])
+    window = run.reward_window
+    window.append((n, failures))
+    del window[:-REWARD_WINDOW]
+    limit = run.cfg.data.max_reward_failures
+    seen, failed = (sum(x) for x in zip(*window))
+    first_step = step == run.start_step and failures == n > 0
+    if limit < 1 and (first_step or (len(window) == REWARD_WINDOW and failed > limit * seen)):
+        where = "of the first RL step" if first_step else f"of the last {REWARD_WINDOW} RL steps"
+        raise TrainingError(f"the reward failed on {int(failed)} of {int(seen)} completions "
+                            f"{where} (first error: {first or 'on another rank'}); fix the "
+                            f"reward function, or raise data.max_reward_failures (now {limit:g})")
+
+
+def warn_constant_reward(run: Run, r_std: float, step: int) -> None:
+    """Say once per streak when every reward of CONSTANT_REWARD_STEPS steps was the same: the
+    advantages are all 0 and nothing is learned."""
+    run.constant_reward_steps = run.constant_reward_steps + 1 if r_std <= 1e-9 else 0
+    if run.constant_reward_steps == CONSTANT_REWARD_STEPS:
+        log.warning("every reward of RL steps %d-%d was the same: the group advantages are 0 and "
+                    "the policy does not learn; check the reward function and the data",
+                    step - CONSTANT_REWARD_STEPS + 2, step + 1)
+
+
 def rl_step(run: Run, step: int, stop: StopRequest | None = None) -> dict[str, float] | None:
     """One RL step: rollout -> rewards -> advantages -> pi_old -> minibatch updates. None when
     `stop` was requested during the rollout (the step is abandoned before any update)."""
@@ -548,8 +583,10 @@ def rl_step(run: Run, step: int, stop: StopRequest | None = None) -> dict[str, f
     if stop is not None and stop.requested(run.dist):
         return None
     # ---- rewards and group advantages
-    rewards, reward_failures = score(run.reward_fn, texts, [row for row in rows for _ in range(G)],
-                                     workers=getattr(run.reward_fn, "workers", 1))
+    rewards, reward_failures, first_error = score(
+        run.reward_fn, texts, [row for row in rows for _ in range(G)],
+        workers=getattr(run.reward_fn, "workers", 1), timeout=cfg.data.reward_fn_timeout or None)
+    check_reward_failures(run, step, len(rewards), reward_failures, first_error)
     rewards = torch.tensor(rewards, device=run.dist.device)  # (B,)
     adv = group_advantages(rewards, G, cfg.algorithm.advantage_scale)
     # ---- pi_old (and pi_ref)
@@ -576,6 +613,7 @@ def rl_step(run: Run, step: int, stop: StopRequest | None = None) -> dict[str, f
         float((entropy * mask).sum()), reward_failures])
     r_mean = r_sum / n
     r_std = math.sqrt(max(0.0, (r_sq - n * r_mean ** 2) / max(1.0, n - 1)))  # unbiased
+    warn_constant_reward(run, r_std, step)
     return {
         "reward/mean": r_mean, "reward/std": r_std, "reward/failures": int(failures),
         "loss": m["loss"], "clip/frac": m["clip_frac"], "clip/frac_low": m["clip_frac_low"],

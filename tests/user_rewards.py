@@ -1,0 +1,21 @@
+"""Reward functions the tests pass as data.reward=tests/user_rewards.py:NAME."""
+
+import os
+
+
+def needs_a_missing_package(completion: str, **_) -> float:
+    import gspo_no_such_package  # noqa: F401  (what a reward with an uninstalled dependency does)
+    return 1.0
+
+
+def constant(completion: str, **_) -> float:
+    return 0.5
+
+
+def fails_after_step_1(completion: str, **_) -> float:
+    """Scores normally for the first 16 calls (one tiny step), then always raises."""
+    n = int(os.environ.get("GSPO_TEST_CALLS", "0")) + 1
+    os.environ["GSPO_TEST_CALLS"] = str(n)
+    if n > 16:
+        raise RuntimeError("the scoring service went away")
+    return float(len(completion) % 2)
