@@ -98,3 +98,22 @@ def test_a_tiny_model_too_big_for_this_machine_is_refused_before_allocation(tmp_
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "the tiny model (hidden_size=65536, 2 layers) has " in out.stderr
     assert "GiB available; choose a smaller model" in out.stderr
+
+
+def test_a_resume_cannot_change_the_model_or_the_algorithm_and_leaves_the_run_as_it_was(
+        tmp_path, tiny_overrides):
+    run = tmp_path / "run"
+    assert run_cli("train", "--output-dir", str(run), *tiny_overrides).returncode == 0
+    config = (run / "config.yaml").read_text()
+    for change, says in (("model.hidden_size=64", "model.hidden_size=64 (trained with 32)"),
+                         ("algorithm=grpo", "algorithm.name=grpo (trained with gspo)")):
+        out = run_cli("train", "--resume", str(run), change, "train.steps=3")
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert f"--resume {run} cannot change {says}: start a new run" in out.stderr
+        assert (run / "config.yaml").read_text() == config  # not rewritten by the failed start
+    out = run_cli("train", "--resume", str(run), "--output-dir", str(tmp_path / "elsewhere"))
+    assert out.returncode == 2 and "drop --output-dir" in out.stderr
+    assert not (tmp_path / "elsewhere").exists()
+    out = run_cli("train", "--resume", str(run), "train.steps=3")  # a plain resume still works
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]

@@ -37,7 +37,7 @@ def _train_parser() -> argparse.ArgumentParser:
 
 def train_main(argv: list[str]) -> int:
     from gspo.config import load_config
-    from gspo.errors import GspoError
+    from gspo.errors import ConfigError, GspoError
     from gspo.trainer import train
 
     from gspo.distributed import collective_failure
@@ -47,6 +47,10 @@ def train_main(argv: list[str]) -> int:
     try:
         config_path = args.config
         if args.resume:
+            if args.output_dir:
+                raise ConfigError(f"--resume continues the run in its own directory "
+                                  f"({args.resume}); drop --output-dir {args.output_dir}, or "
+                                  f"start a new run there without --resume")
             run_dir = Path(args.resume)
             if config_path is None:
                 config_path = run_dir / "config.yaml"

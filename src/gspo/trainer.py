@@ -34,7 +34,7 @@ import transformers
 
 from gspo.checkpoint import (latest_checkpoint, load_checkpoint, read_reference,
                              read_training_state, save_checkpoint)
-from gspo.config import Config, save_config
+from gspo.config import Config, load_config, save_config
 from gspo.data import encode_prompts, score
 from gspo.distributed import (Dist, Policy, as_local, broadcast_weights, checkpoint_state,
                                fsdp_available, init_distributed, iter_weights,
@@ -334,6 +334,25 @@ def policy_weights(policy, model):
     return merged_weights(model) if is_lora(model) else iter_weights(policy, model)
 
 
+FROZEN = ("model.name_or_path", "model.hidden_size", "model.num_layers", "model.num_heads",
+          "model.num_kv_heads", "model.intermediate_size", "model.num_experts",
+          "model.num_experts_per_tok", "model.moe_intermediate_size", "model.lora_rank",
+          "model.lora_target_modules", "algorithm.name")
+"""What a resume cannot change: the model's shape (the checkpoint would not fit it) and the
+objective (its presets, e.g. the clip range, were resolved into the saved config)."""
+
+
+def refuse_frozen_changes(saved: Config, cfg: Config, run_dir: Path) -> None:
+    def get(c, key):
+        section, name = key.split(".")
+        return getattr(getattr(c, section), name)
+    changed = [f"{k}={get(cfg, k)} (trained with {get(saved, k)})" for k in FROZEN
+               if get(cfg, k) != get(saved, k)]
+    if changed:
+        raise TrainingError(f"--resume {run_dir} cannot change {', '.join(changed)}: start a new "
+                            f"run with --output-dir for that")
+
+
 def build_engine(model, tokenizer, cfg: Config, own_copy: bool = False) -> RolloutEngine:
     """The rollout engine rollout.engine names (gspo.engines.ENGINES), from the model's weights."""
     r = cfg.rollout
@@ -370,10 +389,10 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
     ckpt = latest_checkpoint(run_dir, verify=True) if resume else None
     if resume and ckpt is None:
         raise TrainingError(f"--resume {run_dir}: no finished checkpoint found there")
+    if resume and (run_dir / "config.yaml").is_file():
+        refuse_frozen_changes(load_config(run_dir / "config.yaml"), cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar per save
-    if d.is_main:
-        save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(t.seed)
 
     model, tokenizer = build_model(cfg, d.device)
@@ -403,8 +422,11 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
     # LoRA: the engine holds a plain copy, refreshed with the merged weights
     engine = build_engine(model, tokenizer, cfg, own_copy=mode == "fsdp" or lora)
     try:
-        return _prepare_rest(cfg, run_dir, d, mode, model, tokenizer, engine, ckpt, state,
-                             train_rows, eval_rows, reward_fn, solution)
+        run = _prepare_rest(cfg, run_dir, d, mode, model, tokenizer, engine, ckpt, state,
+                            train_rows, eval_rows, reward_fn, solution)
+        if d.is_main:  # only now: a resume that fails to start leaves the run's config as it was
+            save_config(cfg, run_dir / "config.yaml")
+        return run
     except BaseException:
         engine.close()  # a vLLM engine holds process-wide state
         raise
