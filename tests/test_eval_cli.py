@@ -7,7 +7,7 @@ import torch
 from gspo.cli import main as cli_main
 from gspo.config import DataConfig
 from gspo.eval_cli import format_table, report_records
-from gspo.evaluate import evaluate
+from gspo.evaluation import evaluate
 from gspo.models import build_tiny_qwen3
 from gspo.engines import Rollouts, SamplingParams, left_pad
 from gspo.tasks import build_reward

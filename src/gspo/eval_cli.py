@@ -7,7 +7,7 @@ K responses are sampled per problem with the rollout engine and scored with the 
 (format bonus off: correctness only). Reported per problem and overall: avg@K, the mean reward
 over all K samples (the paper's AIME'24 avg@32), and the unbiased pass@k estimator for k = 1,
 2, 4, ... up to K (a sample counts as correct when its reward is >= 1). The numbers come from
-gspo.evaluate.evaluate, the code the trainer's periodic evaluation runs. The JSONL holds one
+gspo.evaluation.evaluate, the code the trainer's periodic evaluation runs. The JSONL holds one
 row per problem (its samples, rewards and metrics) and a last row with "id": "overall"; a table
 is printed.
 """
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from gspo.evaluate import EvalResult, evaluate, pass_at_k
+from gspo.evaluation import EvalResult, evaluate, pass_at_k
 from gspo.engines import SamplingParams
 
 TABLE_ROWS = 50  # problems printed; the JSONL always has them all

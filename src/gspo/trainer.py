@@ -40,7 +40,7 @@ from gspo.distributed import (Dist, Policy, as_local, broadcast_weights, checkpo
                                fsdp_available, init_distributed, iter_weights,
                                load_optimizer_state, no_sync, wrap_policy)
 from gspo.errors import TrainingError
-from gspo.evaluate import decode_responses, evaluate
+from gspo.evaluation import decode_responses, evaluate
 from gspo.logger import MetricsLogger
 from gspo.runlock import exclusive
 from gspo.signals import Interrupted, StopRequest

@@ -4,7 +4,7 @@ from math import comb
 import pytest
 
 from gspo.data import score
-from gspo.evaluate import pass_at_k
+from gspo.evaluation import pass_at_k
 
 
 def brute_force_pass_at_k(n, c, k):
