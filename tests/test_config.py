@@ -86,3 +86,14 @@ def test_rollout_engine_names_come_from_the_engine_registry(monkeypatch):
     with pytest.raises(ConfigError, match="rollout.engine 'sglang' is unknown; available: hf, "
                                           "toy, vllm"):
         load_config(overrides=["rollout.engine=sglang"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.betas=[0.9,2]", r"optim.betas must be two numbers in \[0, 1\)"),
+    ("optim.betas=[0.9]", r"optim.betas must be two numbers"),
+    ("rollout.group_size=1", r"rollout.group_size=1: group advantages need at least 2"),
+])
+def test_settings_that_cannot_train_are_config_errors(override, message):
+    from gspo.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override])

@@ -200,3 +200,43 @@ def test_load_reward_finds_module_functions():
     from gspo.tasks.arithmetic import exact_match_reward
 
     assert load_reward("gspo.tasks.arithmetic:exact_match_reward") is exact_match_reward
+
+
+# ---------------------------------------------------------------------------------------------
+# files that do not decode
+
+
+def test_a_non_utf8_jsonl_line_is_a_bad_row_fail_or_skip(tmp_path, caplog):
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "b\xff", "answer": "2"}\n'
+                     b'{"prompt": "c", "answer": "3"}\n')
+    with pytest.raises(DatasetError, match=r"m.jsonl row 2: not UTF-8 text: byte 0xff at column 14"):
+        load_rows(path, data(task="math"))
+    with caplog.at_level(logging.WARNING):
+        rows = load_rows(path, data(task="math", on_bad_row="skip"))
+    assert [r["prompt"] for r in rows] == ["a", "c"]
+
+
+def test_a_non_utf8_csv_row_is_a_bad_row(tmp_path):
+    path = tmp_path / "m.csv"
+    path.write_bytes(b"prompt,answer\na,1\nb\xfe,2\nc,3\n")
+    with pytest.raises(DatasetError, match=r"m.csv row 2: not UTF-8 text"):
+        load_rows(path, data(task="math"))
+    assert [r["prompt"] for r in load_rows(path, data(task="math", on_bad_row="skip"))] == ["a", "c"]
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("t.json", b'[{"prompt": "a", "answer": "1"}, {"prompt": ', r"t.json: not valid JSON"),
+    ("u.json", b'[{"prompt": "\xff"}]', r"u.json: not UTF-8 text \(byte 0xff at offset 13\)"),
+    ("c.parquet", b"PAR1 this is not parquet", r"c.parquet: not a readable Parquet file"),
+])
+def test_an_unreadable_file_is_one_error_naming_it(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DatasetError, match=message):
+        load_rows(path, data(task="math"))
+
+
+def test_a_list_of_answers_stays_a_list(tmp_path):
+    path = write_jsonl(tmp_path / "m.jsonl", [{"prompt": "p", "answer": [6, " x "]}])
+    assert load_rows(path, data(task="math"))[0]["answer"] == ["6", "x"]

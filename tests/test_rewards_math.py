@@ -89,3 +89,14 @@ def test_answer_window_and_reference_text():
     assert reference_text("Step... #### 1,234") == "$1234$"
     assert reference_text("\\frac{1}{2}") == "$\\frac{1}{2}$"
     assert reference_text("so \\boxed{5}") == "so \\boxed{5}"
+
+
+def test_a_list_of_answers_accepts_any_of_them():
+    # a dataset listing several accepted forms used to be stringified: "['6', 'x']" never matched
+    reward = MathReward()
+    try:
+        assert reward("so it is \\boxed{6}", answer=["6", "x"]) == 1.0
+        assert reward("so it is \\boxed{x}", answer=["6", "x"]) == 1.0
+        assert reward("so it is \\boxed{7}", answer=["6", "x"]) == 0.0
+    finally:
+        reward.close()

@@ -338,6 +338,9 @@ def resolve(cfg: Config) -> Config:
     _positive("algorithm.minibatches", a.minibatches)
     _positive("algorithm.micro_batch_size", a.micro_batch_size, allow_zero=True)
     _positive("rollout.group_size", r.group_size)
+    if r.group_size < 2:
+        raise ConfigError(f"rollout.group_size={r.group_size}: group advantages need at least 2 "
+                          f"responses per prompt (with 1, every advantage and gradient is 0)")
     _positive("rollout.prompts_per_step", r.prompts_per_step)
     _positive("rollout.max_new_tokens", r.max_new_tokens)
     _positive("rollout.temperature", r.temperature)
@@ -372,8 +375,11 @@ def resolve(cfg: Config) -> Config:
                           f"or float16")
     _positive("optim.lr", cfg.optim.lr)
     _positive("optim.grad_clip", cfg.optim.grad_clip, allow_zero=True)
-    if len(cfg.optim.betas) != 2:
-        raise ConfigError(f"optim.betas must be two numbers, got {cfg.optim.betas}")
+    betas = cfg.optim.betas
+    if (not isinstance(betas, (list, tuple)) or len(betas) != 2
+            or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.999]; got "
+                          f"{betas}")
     _positive("warmup.steps", cfg.warmup.steps, allow_zero=True)
     _positive("warmup.batch_size", cfg.warmup.batch_size)
     t = cfg.train

@@ -133,7 +133,9 @@ class MathReward:
         return bool(reply.get("correct"))
 
     def __call__(self, completion: str, answer="", **_) -> float:
-        score = float(self.is_correct(completion, answer))
+        # a list of answers (datasets with several accepted forms): correct if any one matches
+        answers = answer if isinstance(answer, (list, tuple)) else [answer]
+        score = float(any(self.is_correct(completion, a) for a in answers))
         if self.format_weight:
             score += self.format_weight * has_boxed_answer(completion)
         return score

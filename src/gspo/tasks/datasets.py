@@ -41,30 +41,49 @@ def _raw_rows(path: Path, split: str) -> Iterator[tuple[int, Any]]:
     if path.is_dir():
         yield from _hf_rows(path, split)
     elif suffix in (".jsonl", ".ndjson") or (suffix == ".json" and not _is_json_array(path)):
-        with path.open(encoding="utf-8") as f:
+        with path.open("rb") as f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        yield lineno, json.loads(line)
+                        yield lineno, json.loads(line.decode("utf-8"))
+                    except UnicodeDecodeError as e:
+                        yield lineno, _BadRow(f"not UTF-8 text: byte {line[e.start]:#04x} at "
+                                               f"column {e.start + 1}")
                     except ValueError as e:
-                        yield lineno, _NotJSON(str(e))
+                        yield lineno, _BadRow(f"not valid JSON ({e})")
     elif suffix == ".json":
-        yield from enumerate(json.loads(path.read_text(encoding="utf-8")), 1)
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise DatasetError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                               f"{e.start})") from None
+        except ValueError as e:
+            raise DatasetError(f"{path}: not valid JSON ({e})") from None
+        yield from enumerate(rows, 1)
     elif suffix == ".csv":
-        with path.open(encoding="utf-8", newline="") as f:
-            yield from enumerate(csv.DictReader(f), 1)
+        # surrogateescape: a row with bytes that are not UTF-8 is reported as that row
+        with path.open(encoding="utf-8", errors="surrogateescape", newline="") as f:
+            for number, row in enumerate(csv.DictReader(f), 1):
+                bad = any(isinstance(v, str) and any("\udc80" <= c <= "\udcff" for c in v)
+                          for v in row.values())
+                yield number, _BadRow("not UTF-8 text") if bad else row
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        yield from enumerate(pq.read_table(path).to_pylist(), 1)
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
+            raise DatasetError(f"{path}: not a readable Parquet file ({type(e).__name__}: "
+                               f"{str(e)[:200]})") from None
+        yield from enumerate(table.to_pylist(), 1)
     else:
         raise DatasetError(f"{path}: unknown data format '{suffix}'; use {FORMATS}")
 
 
 def _is_json_array(path: Path) -> bool:
-    with path.open(encoding="utf-8") as f:
+    with path.open("rb") as f:
         head = f.read(4096).lstrip()
-    return head.startswith("[")
+    return head.startswith(b"[")
 
 
 def _hf_rows(path: Path, split: str) -> Iterator[tuple[int, Any]]:
@@ -84,8 +103,8 @@ def _hf_rows(path: Path, split: str) -> Iterator[tuple[int, Any]]:
 
 
 @dataclass
-class _NotJSON:
-    """A JSONL line that did not parse, passed on so that the error names its row."""
+class _BadRow:
+    """A line that did not decode or parse, passed on so that the error names its row."""
 
     error: str
 
@@ -102,8 +121,8 @@ def _field(raw: dict, name: str, what: str) -> Any:
 
 def map_row(raw: Any, d, task: str) -> dict:
     """One row in the trainer's shape; ValueError naming the field when it cannot be."""
-    if isinstance(raw, _NotJSON):
-        raise ValueError(f"not valid JSON ({raw.error})")
+    if isinstance(raw, _BadRow):
+        raise ValueError(raw.error)
     if not isinstance(raw, dict):
         raise ValueError(f"a row must be a mapping of fields, got {type(raw).__name__}")
     prompt = _field(raw, d.prompt_field, "prompt")
@@ -113,7 +132,10 @@ def map_row(raw: Any, d, task: str) -> dict:
     mapped = {d.prompt_field}
     row = {}
     if task == "math":
-        row["answer"] = str(_field(raw, d.answer_field, "answer")).strip()
+        answer = _field(raw, d.answer_field, "answer")
+        # several accepted forms stay a list (the math reward takes any one of them)
+        row["answer"] = ([str(a).strip() for a in answer] if isinstance(answer, (list, tuple))
+                         else str(answer).strip())
         mapped.add(d.answer_field)
     elif task == "code":
         fn_name = raw.get(d.fn_name_field) if d.fn_name_field else None
