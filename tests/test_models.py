@@ -317,3 +317,22 @@ def test_chunked_logprob_backward_equals_dense_autograd(with_entropy, entropy_we
     ref = grads(loss(ref_logp, ref_ent if with_entropy else None))
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_dir_without_tokenizer_files_is_a_clear_error(tmp_path, tok):
+    from gspo.models import ModelLoadError, load_model
+    build_tiny_qwen3(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                     intermediate_size=64).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="has no tokenizer files"):
+        load_model(str(tmp_path))
+
+
+def test_an_encoder_model_is_refused_naming_its_architecture(tmp_path):
+    # it used to load as BertLMHeadModel with a warning and train on an [UNK]-only tokenizer
+    from transformers import BertConfig, BertForMaskedLM
+
+    from gspo.models import ModelLoadError, load_model
+    BertForMaskedLM(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, intermediate_size=64)).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="holds a BertForMaskedLM, not a causal"):
+        load_model(str(tmp_path))

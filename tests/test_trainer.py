@@ -171,3 +171,22 @@ def test_rewards_all_equal_for_five_steps_warn_that_nothing_is_learned(tmp_path,
     said = [r.message for r in caplog.records if "was the same" in r.message]
     assert said == ["every reward of RL steps 1-5 was the same: the group advantages are 0 and "
                     "the policy does not learn; check the reward function and the data"]
+
+
+def test_a_prompt_longer_than_the_context_fails_or_is_skipped_before_any_allocation(tmp_path,
+                                                                                  tiny_overrides):
+    # a 5 MB one-line prompt used to reach a 32 GB attention allocation
+    data = tmp_path / "d.jsonl"
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(20)]
+    rows.insert(3, {"prompt": "7" * 5_000_000, "answer": "1"})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "e.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    args = tiny_overrides + ["data.task=math", f"data.path={data}", "data.n_eval=4",
+                             "warmup.steps=0", "data.eval_path=" + str(data).replace("d.jsonl", "e.jsonl"),
+                             "data.reward=tests/dist_update_worker.py:digit_fraction"]
+    with pytest.raises(TrainingError, match=r"1 training prompt\(s\) do not fit the model's "
+                                            r"context of 512 tokens with rollout.max_new_tokens=4; "
+                                            r"the first \(5000\d+ tokens\) starts '7777"):
+        train(load_config(overrides=args), tmp_path / "fail")
+    summary = train(load_config(overrides=args + ["data.on_bad_row=skip"]), tmp_path / "skip")
+    assert summary.steps == 2

@@ -204,6 +204,30 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "spiece.model")
+
+
+def _check_local_dir(path: str) -> None:
+    """A local model directory must hold a causal LM (by its config's architectures) and its
+    tokenizer; transformers would otherwise load an encoder with a warning, or build an empty
+    tokenizer, and the run would train on nonsense."""
+    import json
+    try:
+        archs = json.loads(open(os.path.join(path, "config.json")).read()).get("architectures") or []
+    except (OSError, ValueError):
+        return  # transformers' own error names it
+    causal = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+    if archs and not any(a.endswith(causal) for a in archs):
+        raise ModelLoadError(f"{path} holds a {', '.join(archs)}, not a causal (decoder-only) "
+                             f"language model; GSPO samples responses, so pass a model whose "
+                             f"architecture ends in ForCausalLM")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ModelLoadError(f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, "
+                             f"...): save the tokenizer beside the model "
+                             f"(tokenizer.save_pretrained(dir))")
+
+
 def _in_hub_cache(repo_id: str) -> bool:
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -254,12 +278,17 @@ def load_model(
         if where:  # fail now, not after transformers' retries with back-off
             raise ModelLoadError(f"model {name_or_path!r} is not a local directory nor in the "
                                  f"Hugging Face cache, and {where}: {hint}")
+    if os.path.isdir(path):
+        _check_local_dir(path)
     try:
         torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, RuntimeError, ImportError) as err:
         raise ModelLoadError(f"could not load model {name_or_path!r} ({err}): {hint}") from err
+    if not tokenizer("What is 2 + 3?", add_special_tokens=False)["input_ids"]:
+        raise ModelLoadError(f"the tokenizer of {name_or_path!r} turns text into no tokens: "
+                             f"is it the model's own tokenizer?")
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device), tokenizer

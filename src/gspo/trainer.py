@@ -342,6 +342,34 @@ FROZEN = ("model.name_or_path", "model.hidden_size", "model.num_layers", "model.
 objective (its presets, e.g. the clip range, were resolved into the saved config)."""
 
 
+def fitting_prompts(rows: list[dict], what: str, model, tokenizer, cfg: Config) -> list[dict]:
+    """The rows whose prompt (chat template included) leaves room for rollout.max_new_tokens in
+    the model's context; a longer one fails the run naming it, or is skipped with
+    data.on_bad_row=skip. Only rows long enough to possibly overflow are tokenized."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    if not context or not rows:
+        return rows
+    room = context - cfg.rollout.max_new_tokens
+    system = cfg.data.system_prompt or None
+    # a token spans at least one byte of UTF-8 (at most 4 per character); templates add ~100
+    suspects = [i for i, r in enumerate(rows) if 4 * len(r["prompt"]) + 256 > room]
+    too_long = {}
+    for i in suspects:
+        n = len(encode_prompts(tokenizer, [rows[i]], system)[0])
+        if n > room:
+            too_long[i] = n
+    if not too_long:
+        return rows
+    i, n = next(iter(too_long.items()))
+    message = (f"{len(too_long)} {what} prompt(s) do not fit the model's context of {context} "
+               f"tokens with rollout.max_new_tokens={cfg.rollout.max_new_tokens}; the first "
+               f"({n} tokens) starts {rows[i]['prompt'][:40]!r}")
+    if cfg.data.on_bad_row != "skip":
+        raise TrainingError(f"{message}: shorten them, or set data.on_bad_row=skip")
+    log.warning("%s; skipped", message)
+    return [r for j, r in enumerate(rows) if j not in too_long]
+
+
 def refuse_frozen_changes(saved: Config, cfg: Config, run_dir: Path) -> None:
     def get(c, key):
         section, name = key.split(".")
@@ -397,6 +425,8 @@ def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
 
     model, tokenizer = build_model(cfg, d.device)
     train_rows, eval_rows, reward_fn, solution = build_task(cfg.data)
+    train_rows, eval_rows = (fitting_prompts(rows, what, model, tokenizer, cfg)
+                             for rows, what in ((train_rows, "training"), (eval_rows, "held-out")))
     warm_batch = min(cfg.warmup.batch_size, len(train_rows))
     if cfg.warmup.steps and not resume and warm_batch % d.world:
         raise TrainingError(f"the warm-up batch ({warm_batch} = min(warmup.batch_size, training "
