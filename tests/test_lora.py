@@ -133,8 +133,14 @@ def test_a_lora_checkpoint_loads_in_plain_transformers_and_resumes_exactly(tiny_
 def test_resuming_a_full_run_with_lora_is_a_clear_error(tiny_overrides, tmp_path):
     cfg = load_config(overrides=tiny_overrides + ["train.steps=1"])
     train(cfg, tmp_path / "run")
-    with pytest.raises(TrainingError, match="saved without LoRA"):
+    # the run's config says it was trained without adapters: refused before anything loads
+    with pytest.raises(TrainingError, match=r"cannot change model.lora_rank=4 \(trained with 0\)"):
         prepare(_cfg(tiny_overrides, "train.steps=2"), tmp_path / "run", resume=True)
+    # and a checkpoint without lora/ (its config.yaml lost) is named as such
+    model, _ = build_model(cfg)
+    model = add_lora(model, 4, 8.0, 0.0, TARGETS)
+    with pytest.raises(ValueError, match="saved without LoRA"):
+        load_adapter(model, tmp_path / "run" / "checkpoints" / "step_000001" / "lora")
 
 
 @pytest.mark.parametrize("override, message", [
