@@ -213,8 +213,9 @@ def _check_local_dir(path: str) -> None:
     tokenizer; transformers would otherwise load an encoder with a warning, or build an empty
     tokenizer, and the run would train on nonsense."""
     import json
+    from pathlib import Path
     try:
-        archs = json.loads(open(os.path.join(path, "config.json")).read()).get("architectures") or []
+        archs = json.loads(Path(path, "config.json").read_text()).get("architectures") or []
     except (OSError, ValueError):
         return  # transformers' own error names it
     causal = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")

@@ -56,11 +56,14 @@ class StopRequest:
         log.warning("%s received: stopping after the step under way, with a checkpoint "
                     "(send it again to exit at once)", signal.Signals(signum).name)
 
+    def agreed(self, d) -> int:
+        """The signal any rank got, 0 for none (a collective under torchrun: call it on every
+        rank)."""
+        return int(d.max([float(self.signum or 0)])[0])
+
     def requested(self, d) -> bool:
-        """Whether any rank got a signal (a collective under torchrun: call it on every rank)."""
-        mine = float(self.signum or 0)
-        return (d.max([mine])[0] if d.enabled else mine) > 0
+        return self.agreed(d) > 0
 
     def name(self, d) -> tuple[int, str]:
-        signum = int(d.max([float(self.signum or 0)])[0]) if d.enabled else int(self.signum or 0)
+        signum = self.agreed(d)
         return signum, signal.Signals(signum).name

@@ -592,10 +592,12 @@ REWARD_WINDOW = 10  # RL steps over which data.max_reward_failures is judged
 CONSTANT_REWARD_STEPS = 5  # steps of identical rewards after which the run warns
 
 
-def check_reward_failures(run: Run, step: int, n: int, failures: int, first: str | None) -> None:
+def check_reward_failures(run: Run, step: int, n: int, failures: int, first: str | None
+                          ) -> tuple[float, float]:
     """Stop the run when its reward cannot be trusted: every completion of the first step
     failed (a missing package, a wrong field name), or more than data.max_reward_failures of
-    the last REWARD_WINDOW steps' completions did. Counts are summed over ranks."""
+    the last REWARD_WINDOW steps' completions did. Returns (completions, failures) summed over
+    ranks."""
     n, failures = run.dist.sum([n, failures])
     window = run.reward_window
     window.append((n, failures))
@@ -608,6 +610,7 @@ def check_reward_failures(run: Run, step: int, n: int, failures: int, first: str
         raise TrainingError(f"the reward failed on {int(failed)} of {int(seen)} completions "
                             f"{where} (first error: {first or 'on another rank'}); fix the "
                             f"reward function, or raise data.max_reward_failures (now {limit:g})")
+    return n, failures
 
 
 def warn_constant_reward(run: Run, r_std: float, step: int) -> None:
@@ -638,7 +641,7 @@ def rl_step(run: Run, step: int, stop: StopRequest | None = None) -> dict[str, f
     rewards, reward_failures, first_error = score(
         run.reward_fn, texts, [row for row in rows for _ in range(G)],
         workers=getattr(run.reward_fn, "workers", 1), timeout=cfg.data.reward_fn_timeout or None)
-    check_reward_failures(run, step, len(rewards), reward_failures, first_error)
+    n, failures = check_reward_failures(run, step, len(rewards), reward_failures, first_error)
     rewards = torch.tensor(rewards, device=run.dist.device)  # (B,)
     adv = group_advantages(rewards, G, cfg.algorithm.advantage_scale)
     # ---- pi_old (and pi_ref)
@@ -660,9 +663,9 @@ def rl_step(run: Run, step: int, stop: StopRequest | None = None) -> dict[str, f
         m.update(moe_metrics(run.policy, run.routing, rollouts, cfg, run.micro, run.dist))
     # ---- metrics (sums over ranks, then divided)
     mask = rollouts.response_mask
-    n, r_sum, r_sq, n_tokens, ent, failures = run.dist.sum([
-        len(rewards), float(rewards.sum()), float((rewards ** 2).sum()), float(mask.sum()),
-        float((entropy * mask).sum()), reward_failures])
+    r_sum, r_sq, n_tokens, ent = run.dist.sum([
+        float(rewards.sum()), float((rewards ** 2).sum()), float(mask.sum()),
+        float((entropy * mask).sum())])
     r_mean = r_sum / n
     r_std = math.sqrt(max(0.0, (r_sq - n * r_mean ** 2) / max(1.0, n - 1)))  # unbiased
     warn_constant_reward(run, r_std, step)
