@@ -55,7 +55,7 @@ def main(out: str, overrides: list[str]) -> None:
         run = prepare(cfg, Path(d), resume=False)
         if warmup_only:
             save(run, out, {})
-            shutdown(run.dist)
+            shutdown()
             return
         B = cfg.rollout.prompts_per_step * cfg.rollout.group_size
         full, adv = fixed_batch(B, len(run.tokenizer))
@@ -74,7 +74,7 @@ def main(out: str, overrides: list[str]) -> None:
                                   1024) + noise[rows, :w]
         metrics = update(run, r, old_logp, None, adv[rows])
         save(run, out, metrics)
-        shutdown(run.dist)
+        shutdown()
 
 
 def save(run, out: str, metrics: dict) -> None:

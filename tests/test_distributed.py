@@ -26,6 +26,7 @@ def launch(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedPr
     process group (the agent and every rank) is killed and the test fails with its output."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT below: every process prints its threads' stacks
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", *args] if nproc > 1 else [sys.executable, *args]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -33,10 +34,15 @@ def launch(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedPr
     try:
         stdout, stderr = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGABRT)  # where each process hangs, into the failure message
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
         os.killpg(p.pid, signal.SIGKILL)  # ranks are the agent's children: kill them all
-        stdout, stderr = p.communicate()
+        stdout, stderr = p.communicate()  # everything read since the start
         pytest.fail(f"{' '.join(cmd[:6])} ran past {timeout} s and was killed:\n"
-                    f"{stdout[-3000:]}{stderr[-3000:]}")
+                    f"{stdout[-3000:]}{stderr[-8000:]}")
     return subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr)
 
 

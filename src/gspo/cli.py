@@ -38,9 +38,8 @@ def _train_parser() -> argparse.ArgumentParser:
 def train_main(argv: list[str]) -> int:
     from gspo.config import load_config
     from gspo.errors import ConfigError, GspoError
+    from gspo.distributed import collective_failure, shutdown
     from gspo.trainer import train
-
-    from gspo.distributed import collective_failure
 
     args = _train_parser().parse_args(argv)
     cfg = None
@@ -59,32 +58,20 @@ def train_main(argv: list[str]) -> int:
             run_dir = Path(args.output_dir or
                            f"runs/{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         summary = train(cfg, run_dir, resume=bool(args.resume))
-        _leave_process_group(wait=True)
+        shutdown(wait=True)
     except GspoError:
-        _leave_process_group(wait=False)
+        shutdown(wait=False)
         raise
     except RuntimeError as e:  # under torchrun: a peer failed, or a collective timed out
         why = collective_failure(e, cfg.train.dist_timeout_s if cfg else 600.0)
         if why is None:
             raise
-        _leave_process_group(wait=False)
+        shutdown(wait=False)
         print(f"gspo: error: {why}", file=sys.stderr)
         return 1
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, once
         print_summary(summary)
     return 0
-
-
-def _leave_process_group(wait: bool) -> None:
-    """Under torchrun, leave the process group before exiting. After a finished run all ranks
-    meet first, so none tears the communicator down while another still uses it; after an
-    error they do not wait (another rank may never arrive)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        if wait:
-            dist.barrier()
-        dist.destroy_process_group()
 
 
 def fetch_model_main(argv: list[str]) -> int:

@@ -28,6 +28,7 @@ Hugging Face state dict, the optimiser state gathered and keyed by parameter ind
 
 from __future__ import annotations
 
+import faulthandler
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -142,9 +143,28 @@ def collective_failure(err: BaseException, timeout_s: float) -> str | None:
             f"longer than train.dist_timeout_s={timeout_s:g}")
 
 
-def shutdown(d: Dist) -> None:
-    if d.enabled and dist.is_initialized():
+SHUTDOWN_TIMEOUT_S = 60.0
+
+
+def shutdown(wait: bool = True, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+    """Leave the process group torchrun set up (a no-op without one).
+
+    wait: meet the other ranks first (after a finished run), so that none tears its
+    communicator down while another still uses it; after an error, do not (another rank may
+    never arrive). destroy_process_group itself hangs now and then (pytorch#75097, seen here
+    as a 2-rank gloo test stuck past its 300 s limit), and torchrun then waits on that rank
+    forever: past `timeout_s` this process prints every thread's stack and exits with status 1
+    instead (faulthandler's watchdog runs without the GIL, so it fires even when the hung call
+    holds it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if wait:
+        dist.barrier()  # bounded by the process group's timeout
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    try:
         dist.destroy_process_group()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 class Policy(torch.nn.Module):
