@@ -5,6 +5,7 @@ nothing running or written. A test that needs a containment layer the machine do
 (no namespaces, not root) is skipped with the reason.
 """
 
+import contextlib
 import os
 import socket
 import threading
@@ -89,6 +90,33 @@ def run_hostile(reward, sandbox, program, expected="ok\n"):
     score = reward(f"```python\n{program}\n```", tests=[{"input": "", "output": expected}])
     (result,) = sandbox.results[n:]
     return score, result
+
+
+@contextlib.contextmanager
+def serving(server, reply=b""):
+    """Accept connections on a bound `server` socket (answering `reply`) while the block runs;
+    yields the list of accepted connections."""
+    server.listen(8)
+    server.settimeout(0.2)
+    accepted, done = [], threading.Event()
+
+    def accept():
+        while not done.is_set():
+            try:
+                conn = server.accept()[0]
+                conn.sendall(reply)
+                accepted.append(conn)
+            except (socket.timeout, OSError):
+                pass
+
+    t = threading.Thread(target=accept)
+    t.start()
+    try:
+        yield accepted
+    finally:
+        done.set()
+        t.join()
+        server.close()
 
 
 def assert_nothing_left(result):
@@ -202,32 +230,78 @@ def test_hostile_socket_to_loopback_connects_nowhere(reward, sandbox):
     needs(sandbox, "netns")
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
-    server.listen(8)
-    server.settimeout(0.2)
     port = server.getsockname()[1]
-    accepted, done = [], threading.Event()
-
-    def accept():
-        while not done.is_set():
-            try:
-                accepted.append(server.accept()[0])
-            except (socket.timeout, OSError):
-                pass
-
-    t = threading.Thread(target=accept)
-    t.start()
     program = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
                f"s.sendall(b'leak')\nprint('ok')")
-    try:
+    with serving(server) as accepted:
         score, result = run_hostile(reward, sandbox, program)
-    finally:
-        done.set()
-        t.join()
-    server.close()
     assert score == 0.0 and result.status == "error"
     assert b"Network is unreachable" in result.stderr
     assert accepted == []
     assert_nothing_left(result)
+
+
+@pytest.mark.parametrize("where", ["/dev/shm", "/var/tmp", "/run"])
+def test_hostile_unix_socket_in_a_shared_directory_is_unreachable(reward, sandbox, where):
+    # world-writable directories let anyone leave a socket there; a network namespace does not
+    # stop unix sockets, and a read-only mount does not stop connect()
+    needs(sandbox, "mountns")
+    if not os.access(where, os.W_OK):
+        pytest.skip(f"{where} is not writable here")
+    path = f"{where}/gspo-test-{uuid.uuid4().hex[:8]}.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    os.chmod(path, 0o777)
+    program = (f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({path!r})\n"
+               f"print(s.recv(64).decode(), end='')")
+    try:
+        with serving(server, reply=b"secret\n") as accepted:
+            score, result = run_hostile(reward, sandbox, program, expected="secret\n")
+    finally:
+        os.unlink(path)
+    assert score == 0.0 and result.status == "error"
+    assert b"No such file or directory" in result.stderr, result.stderr
+    assert accepted == []
+    assert_nothing_left(result)
+
+
+MEMORY_HOG = """import os, time
+children = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        block = bytearray(b"x") * (200 << 20)  # 200 MiB, every page written
+        time.sleep(2)
+        os._exit(0)
+    children.append(pid)
+alive = sum(os.waitpid(pid, 0)[1] == 0 for pid in children)
+print(f"{alive} of 4 children held 200 MiB")
+"""
+
+
+@pytest.mark.parametrize("bound", ["cgroup", "watched uid"])
+def test_hostile_processes_together_cannot_exceed_the_runs_memory(bound, monkeypatch):
+    # 4 processes x 200 MiB, each within its own address-space limit, against a 400 MiB run
+    needs_root()
+    limits = Limits(wall_s=20.0, cpu_s=10.0, memory_mb=400, processes=16)
+    if bound == "watched uid":
+        monkeypatch.setattr("gspo.sandbox.MemoryCgroup.create", lambda *a: None)
+    sb = Sandbox(limits)
+    if bound == "cgroup" and not sb.containment().get("memory_cgroup"):
+        pytest.skip(f"no memory cgroup can be made here (containment: {sb.containment()})")
+    r = sb.run_python(MEMORY_HOG)
+    assert r.status == "memory_limit", (r.status, r.stdout, r.stderr[-500:])
+    assert b"4 of 4" not in r.stdout
+    assert_nothing_left(r)
+    assert r.containment.get("memory_cgroup") == (bound == "cgroup")
+
+
+def test_a_run_within_its_memory_passes():
+    # the same program with room for all four: the bound is the run's, not a smaller one
+    needs_root()
+    r = Sandbox(Limits(wall_s=20.0, cpu_s=10.0, memory_mb=1400, processes=16)).run_python(
+        MEMORY_HOG)
+    assert r.status == "ok" and r.stdout == b"4 of 4 children held 200 MiB\n", r.stderr[-500:]
 
 
 def test_hostile_fork_bomb_is_capped_and_cleaned_up(reward, sandbox):

@@ -39,3 +39,13 @@ def test_warm_up_without_solutions_is_a_config_error(tmp_path, tiny_overrides):
         "data.task=math", f"data.path={DATA / 'math_mini.jsonl'}", "data.n_eval=4"])
     with pytest.raises(ConfigError, match="set warmup.steps=0"):
         train(cfg, tmp_path / "run")
+
+
+def test_a_sandbox_that_cannot_run_programs_stops_the_run_at_start(tmp_path, tiny_overrides):
+    cfg = load_config(overrides=tiny_overrides + [
+        "data.task=code", f"data.path={DATA / 'code_mini.jsonl'}", "data.n_eval=2",
+        "warmup.steps=0", "data.code_python=/no/such/python3"])
+    with pytest.raises(ConfigError, match="the code sandbox cannot run programs with "
+                                          "/no/such/python3: .*set data.code_python"):
+        train(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # before any step or evaluation

@@ -99,7 +99,8 @@ class DataConfig:
                                     "completions of the last 10 RL steps failed to score (and "
                                     "at once when all of the first step's did); 1 = never")
     code_timeout: float = _f(5.0, "code: wall-clock and CPU seconds of one test run")
-    code_memory_mb: int = _f(1024, "code: address-space limit of each process of a test run")
+    code_memory_mb: int = _f(1024, "code: memory of one test run, all its processes together "
+                             "(see gspo.sandbox)")
     code_workers: int = _f(0, "code: test runs in parallel (0 = the number of CPUs)")
     code_python: str = _f("", "code: interpreter the sandboxed programs run under ('' = the "
                           "system python3, which an unprivileged uid can execute)")

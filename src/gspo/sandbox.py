@@ -12,12 +12,19 @@ as a separate session so the whole process group can be killed):
                  of private copies: the host is untouched), then a fresh size-capped tmpfs is
                  mounted on /tmp holding the working directory, the only writable place. It
                  vanishes with the namespace, so nothing the program writes reaches the disk.
-                 An empty read-only /run hides the daemons' unix sockets (which neither a
-                 read-only mount nor a network namespace stops). The rest of the filesystem
-                 stays readable as far as the uid's permissions go.
+                 Empty read-only mounts on /run, /var/run, /dev/shm and /var/tmp hide the
+                 unix sockets kept there (neither a read-only mount nor a network namespace
+                 stops a socket: /dev/shm and /var/tmp are world-writable, so anyone may put
+                 one there). The rest of the filesystem stays readable as far as the uid's
+                 permissions go.
     identity     an unprivileged uid of the run's own (2_000_000_000 + slot, one per concurrent
                  run), with no groups, no capabilities and no_new_privs, so RLIMIT_NPROC counts
                  only this run's processes and setuid binaries grant nothing.
+    memory       the run as a whole, all its processes together, in a memory cgroup of its
+                 own (v1 or v2, where this process may create one: root with a writable
+                 cgroupfs); the kernel kills the run past `memory_mb`. Without a cgroup the
+                 parent sums the resident memory of the run's uid ten times a second and kills
+                 the run past it (a program can overshoot for up to that interval).
     limits       RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_NPROC (processes and threads),
                  RLIMIT_FSIZE, RLIMIT_NOFILE, no core dumps; the parent enforces the wall-clock
                  limit and caps what it reads of stdout / stderr (the program is killed when it
@@ -36,8 +43,8 @@ The launcher reports which layers it could set up (`RunResult.containment`,
   with the rlimits, its own session and, as root, its own uid; it can then reach the network and
   write wherever that uid may (world-writable /tmp). `strict=True` refuses to run instead.
 
-Left out: seccomp filters, and a memory cgroup; memory is bounded per process by RLIMIT_AS, so a
-run can hold at most `processes * memory_mb`.
+Without root neither the cgroup nor the uid is the run's own, and memory is bounded per process
+only (RLIMIT_AS): a run can then hold up to `processes * memory_mb`. Left out: seccomp filters.
 """
 
 from __future__ import annotations
@@ -141,8 +148,8 @@ def _enter_namespaces(libc, spec: dict, report: dict) -> str | None:
     report["readonly_failures"] = _read_only_everywhere(libc)
     _mount(libc, "tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={spec['disk_mb']}m,mode=0755")
-    # Unix sockets ignore read-only mounts and network namespaces: hide where daemons keep them.
-    for path in ("/run", "/var/run"):
+    # Unix sockets ignore read-only mounts and network namespaces: hide where they are kept.
+    for path in ("/run", "/var/run", "/dev/shm", "/var/tmp"):
         if os.path.isdir(path) and not os.path.islink(path):
             _mount(libc, "tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
     report["mountns"] = True
@@ -240,8 +247,12 @@ def _launch(spec_path: str) -> None:
     if os.getppid() != spec["parent_pid"]:
         os._exit(SETUP_ERROR)  # the parent is already gone
     report = {"netns": False, "mountns": False, "pidns": False, "userns": False,
-              "uid": os.geteuid(), "readonly_failures": None}
+              "uid": os.geteuid(), "readonly_failures": None,
+              "memory_cgroup": bool(spec["cgroup"])}
     try:
+        if spec["cgroup"]:  # first: every process of the run is born inside it
+            with open(os.path.join(spec["cgroup"], "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
         files = {}
         for name in spec["files"]:
             with open(os.path.join(spec["files_dir"], name), "rb") as f:
@@ -311,7 +322,8 @@ class Limits:
     cpu_s: float = 10.0
     """CPU time (RLIMIT_CPU, whole seconds rounded up; SIGXCPU, then SIGKILL)."""
     memory_mb: int = 1024
-    """Address space of each process (RLIMIT_AS)."""
+    """Memory of the whole run, its processes together (a memory cgroup, else the uid's
+    resident memory as the parent sees it), and the address space of each (RLIMIT_AS)."""
     processes: int = 16
     """Processes and threads of the run's uid (RLIMIT_NPROC)."""
     file_size_mb: int = 16
@@ -328,7 +340,8 @@ class Limits:
 
 @dataclass
 class RunResult:
-    """What one run did. status: ok | error | timeout | output_limit | setup_error."""
+    """What one run did. status: ok | error | timeout | output_limit | memory_limit |
+    setup_error."""
 
     status: str
     exit_code: int | None
@@ -371,6 +384,75 @@ class _UidSlot:
 
     def release(self):
         self.sock.close()
+
+
+class MemoryCgroup:
+    """A memory cgroup of one run (v1 `memory.limit_in_bytes` or v2 `memory.max`), or None
+    from `create` where this process may not make one. Processes join it by writing their
+    pid into `cgroup.procs`; `close` removes it once they are gone."""
+
+    V1, V2 = "/sys/fs/cgroup/memory", "/sys/fs/cgroup"
+
+    def __init__(self, path: str, v2: bool):
+        self.path, self.v2 = path, v2
+
+    @classmethod
+    def create(cls, name: str, limit_mb: int) -> "MemoryCgroup | None":
+        v2 = not os.path.isdir(cls.V1) and "memory" in _read(f"{cls.V2}/cgroup.subtree_control")
+        path = os.path.join(cls.V2 if v2 else cls.V1, name)
+        limit = "memory.max" if v2 else "memory.limit_in_bytes"
+        try:
+            if os.path.isdir(path):  # left by a run that was killed -9
+                os.rmdir(path)
+            os.mkdir(path)
+        except OSError:
+            return None
+        group = cls(path, v2)
+        try:
+            Path(path, limit).write_text(str(limit_mb * 1024 * 1024))
+            if not v2 and os.path.exists(f"{path}/memory.memsw.limit_in_bytes"):
+                Path(path, "memory.memsw.limit_in_bytes").write_text(str(limit_mb << 20))
+        except OSError:
+            group.close()
+            return None
+        return group
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel killed a process of the run for going over the limit."""
+        text = _read(f"{self.path}/{'memory.events' if self.v2 else 'memory.oom_control'}")
+        counts = dict(line.split()[:2] for line in text.splitlines() if len(line.split()) > 1)
+        return int(counts.get("oom_kill", 0)) > 0
+
+    def close(self) -> None:
+        for _ in range(50):  # the last processes may take a moment to leave
+            try:
+                os.rmdir(self.path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.01)
+        log.warning("sandbox memory cgroup %s could not be removed", self.path)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def uid_rss_mb(uid: int) -> float:
+    """Resident memory of every process whose real uid is `uid`, in MiB."""
+    total = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            fields = dict(line.split(":", 1) for line in _read(f"/proc/{pid}/status").splitlines()
+                          if ":" in line)
+            if fields.get("Uid", "").split()[:1] == [str(uid)]:
+                total += int(fields.get("VmRSS", "0 kB").split()[0])
+    return total / 1024
 
 
 def kill_uid(uid: int, rounds: int = 50) -> int:
@@ -427,11 +509,12 @@ class Sandbox:
         lim = limits or self.limits
         stdin = stdin.encode() if isinstance(stdin, str) else stdin
         slot = _UidSlot() if os.geteuid() == 0 else None
+        cgroup = MemoryCgroup.create(f"gspo-sandbox-{slot.uid}", lim.memory_mb) if slot else None
         staging = tempfile.mkdtemp(prefix="gspo-sandbox-")  # 0700, ours
         status_r, status_w = os.pipe()
         proc = None
         try:
-            spec_path = self._stage(staging, files, argv, lim, slot, status_w)
+            spec_path = self._stage(staging, files, argv, lim, slot, status_w, cgroup)
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-B", __file__, spec_path],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -439,7 +522,12 @@ class Sandbox:
                 start_new_session=True, pass_fds=(status_w,))
             os.close(status_w)
             status_w = -1
-            return self._communicate(proc, stdin, status_r, lim)
+            # no cgroup: the parent watches the run's own uid instead
+            watch = slot.uid if slot and not cgroup else None
+            result = self._communicate(proc, stdin, status_r, lim, watch)
+            if cgroup and cgroup.oom_killed():  # of the program or any process it started
+                result.status = "memory_limit"
+            return result
         finally:
             if proc is not None:
                 _kill_group(proc)
@@ -449,6 +537,8 @@ class Sandbox:
             if slot is not None:
                 kill_uid(slot.uid)  # whatever escaped the group and the namespace
                 slot.release()
+            if cgroup is not None:
+                cgroup.close()
             shutil.rmtree(staging, ignore_errors=True)
 
     def run_python(self, source: str, stdin: str | bytes = b"",
@@ -476,7 +566,7 @@ class Sandbox:
 
     # ---- internals
 
-    def _stage(self, staging, files, argv, lim, slot, status_w) -> str:
+    def _stage(self, staging, files, argv, lim, slot, status_w, cgroup) -> str:
         files_dir = os.path.join(staging, "files")
         host_workdir = os.path.join(staging, "work")
         os.mkdir(files_dir)
@@ -493,6 +583,7 @@ class Sandbox:
             "host_workdir": host_workdir, "status_fd": status_w, "parent_pid": os.getpid(),
             "uid": slot.uid if slot else os.getuid(), "gid": slot.uid if slot else os.getgid(),
             "strict": self.strict, "disk_mb": lim.disk_mb, "limits": asdict(lim),
+            "cgroup": cgroup.path if cgroup else None,
             "env": {"PATH": SAFE_PATH, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
                     "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1",
                     "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
@@ -501,8 +592,9 @@ class Sandbox:
         Path(spec_path).write_text(json.dumps(spec))
         return spec_path
 
-    def _communicate(self, proc, stdin: bytes, status_r: int, lim: Limits) -> RunResult:
-        pipes = _RunPipes(proc, stdin, status_r, lim)
+    def _communicate(self, proc, stdin: bytes, status_r: int, lim: Limits,
+                     watch_uid: int | None) -> RunResult:
+        pipes = _RunPipes(proc, stdin, status_r, lim, watch_uid)
         try:
             reason = pipes.loop()
         finally:
@@ -532,7 +624,7 @@ class Sandbox:
         else:
             status = "error"
         containment = {k: setup.get(k) for k in ("netns", "mountns", "pidns", "userns",
-                                                 "uid", "readonly_failures")}
+                                                 "uid", "readonly_failures", "memory_cgroup")}
         return RunResult(status, code, bytes(bufs["out"][:lim.stdout_bytes]),
                          bytes(bufs["err"][:lim.stderr_bytes]), wall, cpu, containment)
 
@@ -543,8 +635,8 @@ class _RunPipes:
 
     SETUP_S = 30.0  # the launcher's own set-up, before the program's clock starts
 
-    def __init__(self, proc, stdin: bytes, status_r: int, lim: Limits):
-        self.proc, self.lim = proc, lim
+    def __init__(self, proc, stdin: bytes, status_r: int, lim: Limits, watch_uid: int | None):
+        self.proc, self.lim, self.watch_uid = proc, lim, watch_uid
         self.bufs = {"out": bytearray(), "err": bytearray(), "status": bytearray()}
         self.caps = {"out": lim.stdout_bytes, "err": lim.stderr_bytes, "status": 1 << 16}
         self.sel = selectors.DefaultSelector()
@@ -566,7 +658,8 @@ class _RunPipes:
         self.started = self.exited_at = None
 
     def loop(self) -> str | None:
-        """'timeout', 'output_limit', or None when the run ended by itself."""
+        """'timeout', 'output_limit', 'memory_limit' (the uid's resident memory, when no cgroup
+        bounds it), or None when the run ended by itself."""
         deadline = self.t0 + self.SETUP_S
         while self.sel.get_map():
             now = time.monotonic()
@@ -574,6 +667,9 @@ class _RunPipes:
                 self.started, deadline = now, now + self.lim.wall_s
             if now >= deadline:
                 return "timeout"
+            if (self.watch_uid is not None and self.started is not None
+                    and uid_rss_mb(self.watch_uid) > self.lim.memory_mb):
+                return "memory_limit"
             if self.exited_at is None and self.pidfd is None and self.proc.poll() is not None:
                 self.exited_at = now
             if self.exited_at is not None and now - self.exited_at > 0.5:

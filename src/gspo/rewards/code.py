@@ -35,6 +35,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from gspo.errors import ConfigError
 from gspo.sandbox import Limits, RunResult, Sandbox
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,8 @@ def values_match(got: Any, expected: Any) -> bool:
 
 @dataclass
 class TestOutcome:
-    """status: passed | wrong | error | timeout | output_limit | setup_error | no_code."""
+    """status: passed | wrong | error | timeout | output_limit | memory_limit | setup_error |
+    no_code."""
 
     passed: bool
     status: str
@@ -232,6 +234,16 @@ class CodeReward:
         self._lock = threading.Lock()
         self._checked = False
         self.__name__ = "code_reward"
+
+    def check(self) -> None:
+        """Raise ConfigError when this machine's sandbox cannot run a trivial program (a
+        missing interpreter, no permission to start one): every reward would be 0 otherwise."""
+        c = self.sandbox.containment()
+        if not c.get("runs"):
+            raise ConfigError(f"the code sandbox cannot run programs with {c.get('python')}: "
+                              f"{(c.get('error') or 'no output').strip().splitlines()[-1]}; "
+                              f"set data.code_python to a Python interpreter that every user "
+                              f"may execute (e.g. /usr/bin/python3)")
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:

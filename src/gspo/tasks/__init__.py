@@ -61,8 +61,10 @@ def build_reward(d, task: str | None = None) -> RewardFn:
 
         limits = Limits(wall_s=d.code_timeout, cpu_s=d.code_timeout,
                         memory_mb=d.code_memory_mb)
-        return CodeReward(mode=d.reward_mode, format_weight=d.format_weight, limits=limits,
-                          workers=d.code_workers or None, python=d.code_python or None)
+        reward = CodeReward(mode=d.reward_mode, format_weight=d.format_weight, limits=limits,
+                            workers=d.code_workers or None, python=d.code_python or None)
+        reward.check()  # at start, not after a run of all-zero rewards
+        return reward
     from gspo.rewards import load_reward
 
     return load_reward(name)
