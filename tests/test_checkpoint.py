@@ -124,9 +124,13 @@ def test_hard_crash_leftovers_are_ignored_then_cleaned(tmp_path):
     stale = tmp_path / "checkpoints" / ".tmp-step_000002-99999"
     stale.mkdir()
     (stale / "config.json").write_text("{}")
+    half_latest = tmp_path / "checkpoints" / ".latest.tmp-99999"  # killed before its rename
+    half_latest.write_text("step_000002\n")
     assert latest_checkpoint(tmp_path) == first
     save(tmp_path, 3)
-    assert not stale.exists()
+    assert not stale.exists() and not half_latest.exists()
+    assert sorted(p.name for p in stale.parent.iterdir()) == ["latest", "step_000001",
+                                                               "step_000003"]
 
 
 def test_resaving_same_step_replaces_it(tmp_path):

@@ -389,3 +389,17 @@ def test_hostile_gigabyte_of_output_is_cut_off(reward, sandbox):
     assert len(result.stdout) <= LIMITS.stdout_bytes
     assert time.monotonic() - start < LIMITS.wall_s
     assert_nothing_left(result)
+
+
+def test_staging_left_by_a_killed_process_is_removed_and_a_live_ones_kept(tmp_path):
+    import subprocess
+    from gspo.sandbox import STAGING_PREFIX, remove_stale_staging
+    dead_pid = subprocess.Popen(["true"])
+    dead_pid.wait(timeout=10)  # reaped: its pid now belongs to no process
+    gone = tmp_path / f"{STAGING_PREFIX}{dead_pid.pid}-abc123"
+    live = tmp_path / f"{STAGING_PREFIX}{os.getpid()}-def456"
+    other = tmp_path / "gspo-sandbox-notapid"
+    for d in (gone, live, other):
+        (d / "files").mkdir(parents=True)
+    assert remove_stale_staging(str(tmp_path)) == [gone.name]
+    assert not gone.exists() and live.exists() and other.exists()

@@ -222,6 +222,9 @@ def _prune(ckpts: Path, keep: Path, keep_last: int) -> None:
 def _clean_stale(ckpts: Path) -> None:
     """Remove leftovers of crashed saves; restore an `.old-*` dir whose re-save never landed."""
     for entry in ckpts.iterdir():
+        if entry.is_file() and entry.name.startswith(f".{LATEST_FILE}.tmp-"):
+            entry.unlink(missing_ok=True)  # a `latest` rewrite that never got renamed
+            continue
         if not entry.is_dir() or not entry.name.startswith(_HIDDEN_PREFIXES):
             continue
         if entry.name.startswith(".old-"):

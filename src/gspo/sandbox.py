@@ -455,6 +455,29 @@ def uid_rss_mb(uid: int) -> float:
     return total / 1024
 
 
+STAGING_PREFIX = "gspo-sandbox-"
+
+
+def remove_stale_staging(tmp: str | None = None) -> list[str]:
+    """Delete the staging directories of processes that are gone (killed -9 mid-run: their
+    `finally` never ran); returns what was removed. A live owner's directories stay."""
+    tmp = tmp or tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(tmp):
+        pid = name[len(STAGING_PREFIX):].split("-", 1)[0]
+        if not (name.startswith(STAGING_PREFIX) and pid.isdigit()):
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or another user's: PermissionError below)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+            removed.append(name)
+        except PermissionError:
+            continue
+    return removed
+
+
 def kill_uid(uid: int, rounds: int = 50) -> int:
     """SIGKILL every process whose real, effective or saved uid is `uid`; returns how many.
 
@@ -510,7 +533,8 @@ class Sandbox:
         stdin = stdin.encode() if isinstance(stdin, str) else stdin
         slot = _UidSlot() if os.geteuid() == 0 else None
         cgroup = MemoryCgroup.create(f"gspo-sandbox-{slot.uid}", lim.memory_mb) if slot else None
-        staging = tempfile.mkdtemp(prefix="gspo-sandbox-")  # 0700, ours
+        # 0700, ours; the pid in the name lets a later run remove it if we die (remove_stale)
+        staging = tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-")
         status_r, status_w = os.pipe()
         proc = None
         try:
@@ -558,6 +582,7 @@ class Sandbox:
         """The layers a run gets on this machine, found once by running a trivial program."""
         with self._lock:
             if self._containment is None:
+                remove_stale_staging()
                 r = self.run_python("print('ok')", limits=Limits(wall_s=30, cpu_s=30))
                 self._containment = {**r.containment, "python": self.python,
                                      "runs": r.ok and r.stdout.strip() == b"ok",
