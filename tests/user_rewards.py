@@ -19,3 +19,17 @@ def fails_after_step_1(completion: str, **_) -> float:
     if n > 16:
         raise RuntimeError("the scoring service went away")
     return float(len(completion) % 2)
+
+
+def exits(completion: str, **_) -> float:
+    raise SystemExit(3)  # a reward that calls sys.exit: a failure, not the end of the run
+
+
+def absurd(completion: str, **_) -> float:
+    return 1e30
+
+
+def sleeps(completion: str, **_) -> float:
+    import time
+    time.sleep(60)
+    return 1.0

@@ -53,6 +53,9 @@ def train_main(argv: list[str]) -> int:
             run_dir = Path(args.resume)
             if config_path is None:
                 config_path = run_dir / "config.yaml"
+                if not config_path.is_file():
+                    raise ConfigError(f"--resume {run_dir}: no run to resume there (no "
+                                      f"config.yaml); start one with --output-dir {run_dir}")
         cfg = load_config(config_path, args.overrides)
         if not args.resume:
             run_dir = Path(args.output_dir or

@@ -1,0 +1,227 @@
+"""The bad-input catalogue: every config, data, reward, model, run-directory and CLI mistake a
+user makes, through `gspo.cli.main` as the shell runs it. Each must end with one
+`gspo: error:` line on stderr, a non-zero exit, no traceback (main returns instead of raising),
+and, where it touches a finished run, no checkpoint or metrics row of that run lost or changed.
+
+Finer checks of each case (the exact fallbacks, the sizes, the timing) live beside the code
+they test; this file keeps the list in one place, so a new case is one line.
+"""
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gspo.cli import main
+from gspo.runlock import exclusive
+from gspo.trainer import train
+from gspo.config import load_config
+
+DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
+USER = Path(__file__).with_name("user_rewards.py")
+QUICK = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
+         "model.intermediate_size=64", "data.n_train=64", "data.n_eval=4",
+         "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
+         "warmup.steps=0", "train.steps=1", "train.eval_every=0", "train.progress=false",
+         "train.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished 2-step run with a checkpoint per step, to be copied by each case."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    cfg = load_config(overrides=[o for o in QUICK if not o.startswith("train.steps")]
+                      + ["train.steps=2", "train.save_every=1", "train.eval_every=1",
+                         "train.eval_k=1"])
+    train(cfg, run)
+    return run
+
+
+def snapshot(run: Path) -> dict[str, str]:
+    """Every file of the run that a mistake must not touch: config, metrics, checkpoints."""
+    files = [p for p in sorted(run.rglob("*")) if p.is_file() and "tensorboard" not in p.parts
+             and p.name != ".lock"]
+    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def fails_cleanly(capsys, *argv: str, says: str) -> str:
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert code != 0, f"exit 0 for {argv}"
+    assert "Traceback" not in err
+    last = err.splitlines()[-1] if err else ""
+    assert last.startswith(("gspo: error:", "gspo plot: error:", "gspo eval: error:")), err[-2000:]
+    assert says in last, f"{says!r} not in {last!r}"
+    return last
+
+
+def write(path: Path, content: bytes | str) -> Path:
+    path.write_bytes(content.encode() if isinstance(content, str) else content)
+    return path
+
+
+# ---- config: one line, before anything is built
+
+@pytest.mark.parametrize("override, says", [
+    ("train.stesp=3", "unknown config key 'train.stesp'"),
+    ("train.steps=abc", "train.steps"),
+    ("rollout.group_size=1", "rollout.group_size"),
+    ("optim.betas=[0.9,2]", "optim.betas"),
+    ("algorithm=ppo", "ppo"),
+    ("rollout.engine=sglang", "rollout.engine"),
+    ("data.on_bad_row=ignore", "choose fail or skip"),
+    ("data.reward=my_reward", "'module:function'"),
+    ("train.device=tpu", "not a device"),
+])
+def test_a_bad_override(tmp_path, capsys, override, says):
+    fails_cleanly(capsys, "train", "--output-dir", str(tmp_path / "r"), *QUICK, override,
+                  says=says)
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_a_missing_or_broken_config_file(tmp_path, capsys):
+    fails_cleanly(capsys, "train", "--config", str(tmp_path / "nope.yaml"), says="nope.yaml")
+    bad = write(tmp_path / "bad.yaml", "train: {steps: 3\nmodel: [")
+    fails_cleanly(capsys, "train", "--config", str(bad), says="bad.yaml")
+
+
+# ---- model
+
+def test_model_paths_that_cannot_be_trained(tmp_path, capsys, monkeypatch):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # no retry loop, whatever the network
+    run = str(tmp_path / "r")
+    fails_cleanly(capsys, "train", "--output-dir", run, *QUICK,
+                  "model.name_or_path=no-such-org/no-such-model", says="no-such-org/no-such-model")
+    fails_cleanly(capsys, "train", "--output-dir", run, *QUICK,
+                  f"model.name_or_path={tmp_path}/missing-model", says="missing-model")
+    # a model directory without tokenizer files, and a non-causal model
+    from transformers import BertConfig, BertModel
+    from gspo.models import build_tiny_qwen3, build_tokenizer
+    no_tok = tmp_path / "no-tokenizer"
+    build_tiny_qwen3(build_tokenizer(), hidden_size=32, num_layers=1, num_heads=2,
+                     num_kv_heads=1, intermediate_size=64).save_pretrained(no_tok)
+    fails_cleanly(capsys, "train", "--output-dir", run, *QUICK, f"model.name_or_path={no_tok}",
+                  says="tokenizer")
+    bert = tmp_path / "bert"
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64, vocab_size=100)).save_pretrained(bert)
+    fails_cleanly(capsys, "train", "--output-dir", run, *QUICK, f"model.name_or_path={bert}",
+                  says="bert")
+    fails_cleanly(capsys, "train", "--output-dir", run, "model.hidden_size=65536",
+                  "model.intermediate_size=262144", "model.num_heads=512",
+                  "model.num_kv_heads=512", says="choose a smaller model")
+
+
+# ---- data
+
+@pytest.mark.parametrize("name, content, says", [
+    ("rows.jsonl", b'{"prompt": "1+1?", "answer": "2"}\n{"prompt": "\xff\xfe", "answer": "1"}\n',
+     "rows.jsonl"),
+    ("rows.json", b'[{"prompt": "a", "answer": "1"}, {"prompt": ', "not valid JSON"),
+    ("rows.parquet", b"PAR1 this is not parquet", "not a readable Parquet file"),
+    ("rows.csv", b"prompt,answer\n\xff,1\n", "rows.csv"),
+    ("rows.jsonl", b'{"prompt": "1+1?"}\n', "answer"),
+    ("rows.txt", b"what?", "rows.txt"),
+])
+def test_a_bad_data_file(tmp_path, capsys, name, content, says):
+    path = write(tmp_path / name, content)
+    fails_cleanly(capsys, "train", "--output-dir", str(tmp_path / "r"), *QUICK, "data.task=math",
+                  f"data.path={path}", "data.n_eval=1", says=says)
+
+
+def test_missing_data_and_a_prompt_longer_than_the_context(tmp_path, capsys):
+    fails_cleanly(capsys, "train", "--output-dir", str(tmp_path / "r"), *QUICK, "data.task=math",
+                  f"data.path={tmp_path}/none.jsonl", says="none.jsonl")
+    rows = [{"prompt": "x" * (5 << 20), "answer": "1"}] + [
+        {"prompt": f"{i}+1?", "answer": str(i + 1)} for i in range(8)]
+    path = write(tmp_path / "long.jsonl", "\n".join(json.dumps(r) for r in rows))
+    fails_cleanly(capsys, "train", "--output-dir", str(tmp_path / "r2"), *QUICK, "data.task=math",
+                  f"data.path={path}", "data.n_eval=2", says="do not fit the model's context")
+
+
+# ---- rewards
+
+@pytest.mark.parametrize("reward, says", [
+    (f"{USER}:needs_a_missing_package", "gspo_no_such_package"),
+    (f"{USER}:no_such_function", "no_such_function"),
+    ("/no/such/file.py:f", "not found"),
+    (f"{USER}:exits", "SystemExit"),
+    (f"{USER}:absurd", "1e+30"),
+])
+def test_a_reward_that_cannot_score(tmp_path, capsys, reward, says):
+    fails_cleanly(capsys, "train", "--output-dir", str(tmp_path / "r"), *QUICK,
+                  f"data.reward={reward}", says=says)
+
+
+def test_a_reward_that_never_returns_times_out(tmp_path, capsys):
+    fails_cleanly(capsys, "train", "--output-dir", str(tmp_path / "r"), *QUICK,
+                  f"data.reward={USER}:sleeps", "data.reward_fn_timeout=1", says="took longer than 1 s")
+
+
+def test_a_code_sandbox_that_cannot_run_programs(tmp_path, capsys):
+    fails_cleanly(capsys, "train", "--output-dir", str(tmp_path / "r"), *QUICK, "data.task=code",
+                  f"data.path={DATA / 'code_mini.jsonl'}", "data.n_eval=2",
+                  "data.code_python=/no/such/python3", says="set data.code_python")
+
+
+# ---- the run directory: nothing of a finished run is lost
+
+@pytest.mark.parametrize("args, says", [
+    (["model.hidden_size=64"], "cannot change model.hidden_size=64 (trained with 32)"),
+    (["algorithm=grpo"], "cannot change algorithm.name=grpo (trained with gspo)"),
+    (["--output-dir", "elsewhere"], "drop --output-dir"),
+    (["train.steps=oops"], "train.steps"),
+])
+def test_a_wrong_resume_leaves_the_run_as_it_was(tmp_path, capsys, finished_run, args, says):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = snapshot(run)
+    fails_cleanly(capsys, "train", "--resume", str(run), "train.steps=3", *args, says=says)
+    assert snapshot(run) == before
+
+
+def test_training_into_a_finished_run_or_resuming_an_empty_one(tmp_path, capsys, finished_run):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = snapshot(run)
+    fails_cleanly(capsys, "train", "--output-dir", str(run), *QUICK, says="--resume")
+    assert snapshot(run) == before
+    (tmp_path / "empty").mkdir()
+    fails_cleanly(capsys, "train", "--resume", str(tmp_path / "empty"), *QUICK,
+                  says="no run to resume there")
+
+
+def test_every_checkpoint_damaged_is_one_error_and_nothing_is_deleted(tmp_path, capsys,
+                                                                      finished_run):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    for ckpt in (run / "checkpoints").glob("step_*"):
+        weights = ckpt / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    before = snapshot(run)
+    fails_cleanly(capsys, "train", "--resume", str(run), "train.steps=3", says="damaged")
+    assert snapshot(run) == before
+
+
+def test_a_run_directory_in_use(tmp_path, capsys, finished_run):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = snapshot(run)
+    with exclusive(run):  # another gspo train holds it
+        fails_cleanly(capsys, "train", "--resume", str(run), "train.steps=3", says="in use")
+    assert snapshot(run) == before
+
+
+# ---- the other commands
+
+def test_eval_plot_and_fetch_model_mistakes(tmp_path, capsys, finished_run):
+    ckpt = finished_run / "checkpoints" / "step_000002"
+    fails_cleanly(capsys, "eval", "--model", str(ckpt), "--data", str(DATA / "math_mini.jsonl"),
+                  "--task", "math", "--output", str(tmp_path), says=str(tmp_path))
+    fails_cleanly(capsys, "eval", "--model", str(tmp_path / "nope"), "--data",
+                  str(DATA / "math_mini.jsonl"), "--task", "math", says="nope")
+    fails_cleanly(capsys, "plot", str(tmp_path / "no-run"), says="no-run")
+    fails_cleanly(capsys, "fetch-model", "smollm2-999m", says="unknown pretrained model")
