@@ -104,3 +104,56 @@ def test_one_writer_per_run_directory_and_a_killed_writer_does_not_block(tmp_pat
                             *TINY, "train.steps=1"], capture_output=True, text=True, timeout=300)
     assert third.returncode == 0, third.stderr[-2000:]
     assert [r["step"] for r in read_metrics(run_dir)] == [1]
+
+
+# ---- kill -9 at random points, resumed: the same run as one that was never killed
+
+EXACT = TINY[:-4] + ["warmup.steps=20", "train.steps=6", "train.save_every=1", "train.keep_last=2",
+                     "train.eval_every=2", "train.eval_k=2", "train.progress=false",
+                     "train.tensorboard=false"]
+
+
+def deterministic(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
+            for r in rows]
+
+
+def launch(run_dir) -> subprocess.Popen:
+    """A fresh start while the directory holds no finished checkpoint, else --resume."""
+    ckpts = run_dir / "checkpoints"
+    resume = ckpts.is_dir() and any(p.name.startswith("step_") for p in ckpts.iterdir())
+    where = ["--resume", str(run_dir)] if resume else ["--output-dir", str(run_dir)]
+    return subprocess.Popen([sys.executable, "-m", "gspo", "train", *where, *EXACT],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def test_killed_at_random_points_and_resumed_equals_an_uninterrupted_run(tmp_path):
+    import random
+
+    from safetensors.torch import load_file
+    ref = tmp_path / "ref"
+    code, err = finish(launch(ref))
+    assert code == 0, err[-2000:]
+    run, rng = tmp_path / "run", random.Random(0)
+    # each kill waits for a point of progress, then a random moment past it: start-up or the
+    # warm-up, a rollout, an update, a checkpoint write, an evaluation
+    points = [lambda: True, lambda: steps_logged(run) >= 1, lambda: steps_logged(run) >= 3,
+              lambda: (run / "checkpoints" / "step_000004").is_dir(), lambda: steps_logged(run) >= 5]
+    delays = [rng.uniform(3.0, 8.0)] + [rng.uniform(0.0, 1.0) for _ in points[1:]]
+    for point, delay in zip(points, delays):
+        proc = launch(run)
+        wait_for(point, proc=proc)
+        time.sleep(delay)
+        if proc.poll() is not None:
+            break  # it finished first: nothing left to interrupt
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    code, err = finish(launch(run))
+    assert code == 0, err[-2000:]
+    assert deterministic(read_metrics(run)) == deterministic(read_metrics(ref))
+    want = load_file(ref / "checkpoints" / "step_000006" / "model.safetensors")
+    got = load_file(run / "checkpoints" / "step_000006" / "model.safetensors")
+    assert set(got) == set(want) and all(bool((got[k] == want[k]).all()) for k in want)
+    leftovers = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert leftovers == [], leftovers  # a killed save's temp files are cleaned by the next
