@@ -257,3 +257,34 @@ def test_two_ranks_share_the_warm_up_and_give_the_single_process_result(tmp_path
     # Adam's per-element normalisation amplifies float noise where a gradient is ~0
     for k, v in one["params"].items():
         torch.testing.assert_close(two["params"][k], v, rtol=0, atol=1e-4, msg=k)
+
+
+@pytest.mark.parametrize("to", ["agent", "every process"])
+def test_sigterm_under_torchrun_checkpoints_on_every_rank_and_says_how_to_resume(tmp_path, to):
+    # a scheduler's preemption: SLURM signals every process of the job, Kubernetes the launcher
+    # (torchrun forwards it to the ranks); either way all ranks stop after the same step
+    from test_run_control import steps_logged, wait_for
+    run = tmp_path / "run"
+    args = MODEL + ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=4",
+                    "train.steps=100000", "train.eval_every=0", "train.save_every=0"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node=2", "-m", "gspo", "train", "--output-dir", str(run),
+                          *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**env, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        wait_for(lambda: steps_logged(run) >= 2, proc=p)
+        os.killpg(p.pid, signal.SIGTERM) if to == "every process" else p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode != 0
+    done = steps_logged(run)
+    assert f"gspo: stopped by SIGTERM after {done} of 100000 RL steps" in err, err[-3000:]
+    assert f"continue with: gspo train --resume {run}" in err
+    assert (run / "checkpoints" / f"step_{done:06d}" / "manifest.json").is_file()
+    torchrun(2, "-m", "gspo", "train", "--resume", str(run), *args[:-3], f"train.steps={done + 1}",
+             "train.eval_every=0")
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, done + 2))

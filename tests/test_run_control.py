@@ -78,7 +78,7 @@ def test_a_second_signal_exits_at_once(tmp_path):
                  "rollout.prompts_per_step=16")
     wait_for(lambda: steps_logged(run_dir) >= 1, proc=proc)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.3)
+    time.sleep(1.5)  # past FORWARDED_S: a second request, not the first one forwarded
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     rc, err = finish(proc, timeout=30)
@@ -157,3 +157,16 @@ def test_killed_at_random_points_and_resumed_equals_an_uninterrupted_run(tmp_pat
     assert set(got) == set(want) and all(bool((got[k] == want[k]).all()) for k in want)
     leftovers = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
     assert leftovers == [], leftovers  # a killed save's temp files are cleaned by the next
+
+
+def test_the_same_signal_forwarded_at_once_is_not_a_second_one(tmp_path):
+    # what torchrun does after SLURM signalled the whole job: each rank gets SIGTERM twice
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "train.steps=100000")
+    wait_for(lambda: steps_logged(run_dir) >= 1, proc=proc)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)  # apart, so that the handler has seen the first (signals pending coalesce)
+    proc.send_signal(signal.SIGTERM)
+    rc, err = finish(proc)
+    assert rc == 143, err[-2000:]  # a checkpointed stop, not the default action's -15
+    assert "continue with: gspo train --resume" in err.strip().splitlines()[-1]

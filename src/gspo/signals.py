@@ -3,7 +3,10 @@
 The first signal only sets a flag: the loop finishes the optimiser steps under way or abandons a
 rollout that has no update yet, writes a checkpoint of the last finished step, prints where to
 `--resume` from and exits with 128 + the signal number (143 for SIGTERM, 130 for SIGINT), as
-SLURM and shells expect. A second signal exits at once. Under torchrun, ranks agree at each
+SLURM and shells expect. A second signal exits at once, unless it is the same signal within
+FORWARDED_S of the first: a scheduler (SLURM's scancel, a terminal's Ctrl-C) signals every
+process of the job, and torchrun then forwards the one it got to its ranks, so each rank sees it
+twice; that second copy is not a request to hurry. Under torchrun, ranks agree at each
 check (a max over ranks), so they stop at the same point; torchrun gives its workers about 30 s
 after forwarding a SIGTERM, which bounds how long the final checkpoint may take there.
 """
@@ -14,11 +17,13 @@ import logging
 import os
 import signal
 import threading
+import time
 
 from gspo.errors import GspoError
 
 log = logging.getLogger(__name__)
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+FORWARDED_S = 1.0
 
 
 class Interrupted(GspoError):
@@ -35,6 +40,7 @@ class StopRequest:
 
     def __init__(self):
         self.signum: int | None = None
+        self._at = 0.0
         self._previous = {}
 
     def __enter__(self) -> "StopRequest":
@@ -48,11 +54,13 @@ class StopRequest:
         self._previous = {}
 
     def _handle(self, signum: int, frame) -> None:
+        if signum == self.signum and time.monotonic() - self._at < FORWARDED_S:
+            return  # the same signal forwarded by a launcher (torchrun), not a second one
         if self.signum is not None:  # the second signal: no more waiting
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.signum = signum
+        self.signum, self._at = signum, time.monotonic()
         log.warning("%s received: stopping after the step under way, with a checkpoint "
                     "(send it again to exit at once)", signal.Signals(signum).name)
 
