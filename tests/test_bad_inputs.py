@@ -110,6 +110,25 @@ def test_model_paths_that_cannot_be_trained(tmp_path, capsys, monkeypatch):
                          intermediate_size=64, vocab_size=100)).save_pretrained(bert)
     fails_cleanly(capsys, "train", "--output-dir", run, *QUICK, f"model.name_or_path={bert}",
                   says="bert")
+    # a real model directory too big for this machine: refused from its config.json alone
+    tok = build_tokenizer()
+    huge = tmp_path / "huge"
+    build_tiny_qwen3(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                     intermediate_size=64).save_pretrained(huge)
+    tok.save_pretrained(huge)
+    config = json.loads((huge / "config.json").read_text())
+    config.update(hidden_size=65536, intermediate_size=262144, num_attention_heads=512,
+                  num_key_value_heads=512)
+    (huge / "config.json").write_text(json.dumps(config))
+    broken = tmp_path / "broken"
+    shutil.copytree(huge, broken)
+    (broken / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
+    fails_cleanly(capsys, "train", "--output-dir", run, *QUICK, f"model.name_or_path={broken}",
+                  says="could not read the config of model")
+    fails_cleanly(capsys, "train", "--output-dir", run, *QUICK, f"model.name_or_path={huge}",
+                  says="(weights, gradients, AdamW state at 16 bytes each)")
+    fails_cleanly(capsys, "train", "--output-dir", run, *QUICK, f"model.name_or_path={huge}",
+                  "model.lora_rank=8", says="(its weights at 4 bytes each)")
     fails_cleanly(capsys, "train", "--output-dir", run, "model.hidden_size=65536",
                   "model.intermediate_size=262144", "model.num_heads=512",
                   "model.num_kv_heads=512", says="choose a smaller model")

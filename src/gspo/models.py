@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models as tok_models, pre_tokenizers
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     DynamicCache,
@@ -98,18 +99,20 @@ def _token_ids(tokenizer) -> dict:
 TRAIN_BYTES_PER_PARAM = 16
 
 
-def check_fits(model_cls, config, what: str) -> None:
-    """Refuse, before anything is allocated, a model whose weights, gradients and AdamW state
-    alone exceed this machine's available memory (counted on the meta device: no memory)."""
+def check_fits(build, what: str, bytes_per_param: int = TRAIN_BYTES_PER_PARAM,
+               holds: str = "weights, gradients, AdamW state") -> None:
+    """Refuse, before anything is allocated, a model (`build()` makes it) whose weights,
+    gradients and AdamW state alone exceed this machine's available memory (counted on the
+    meta device: no memory)."""
     with torch.device("meta"):
-        n = sum(p.numel() for p in model_cls(config).parameters())
-    need = n * TRAIN_BYTES_PER_PARAM
+        n = sum(p.numel() for p in build().parameters())
+    need = n * bytes_per_param
     available = _available_bytes()
     if available is not None and need > available:
         raise ModelLoadError(f"{what} has {n / 1e6:,.0f} M parameters: training it needs about "
-                             f"{need / 2**30:.1f} GiB (weights, gradients, AdamW state at "
-                             f"{TRAIN_BYTES_PER_PARAM} bytes each) and this machine has "
-                             f"{available / 2**30:.1f} GiB available; choose a smaller model")
+                             f"{need / 2**30:.1f} GiB ({holds} at {bytes_per_param} bytes "
+                             f"each) and this machine has {available / 2**30:.1f} GiB "
+                             f"available; choose a smaller model")
 
 
 def _available_bytes() -> int | None:
@@ -122,7 +125,7 @@ def _available_bytes() -> int | None:
 
 
 def _init_model(model_cls, config, seed: int):
-    check_fits(model_cls, config, f"the tiny model (hidden_size={config.hidden_size}, "
+    check_fits(lambda: model_cls(config), f"the tiny model (hidden_size={config.hidden_size}, "
                                   f"{config.num_hidden_layers} layers)")
     # fork_rng: building a model must not move the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
@@ -253,11 +256,26 @@ def _hub_unreachable(timeout: float = 3.0) -> str | None:
     return None
 
 
+def _check_local_fits(path: str, name: str, dtype: str, full_training: bool,
+                      trust_remote_code: bool) -> None:
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as err:  # noqa: BLE001 - transformers' config validators raise their own
+        first = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+        raise ModelLoadError(f"could not read the config of model {name!r}: {first}") from err
+    size = (getattr(torch, dtype) if dtype != "auto" else torch.float32).itemsize
+    # AdamW keeps its moments in the parameters' dtype
+    check_fits(lambda: AutoModelForCausalLM.from_config(config), f"model {name!r}",
+               size * (4 if full_training else 1),
+               "weights, gradients, AdamW state" if full_training else "its weights")
+
+
 def load_model(
     name_or_path: str,
     dtype: str = "float32",
     device: str = "cpu",
     trust_remote_code: bool = False,
+    full_training: bool = False,
 ) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a local directory, a hub id, or the name of a
     model `gspo fetch-model` knows (e.g. smollm2-135m-instruct: converted once, then cached).
@@ -265,7 +283,9 @@ def load_model(
     `dtype` is a torch dtype name ("float32", "bfloat16") or "auto" (the checkpoint's own).
 
     A missing pad token is set to the eos token. A tokenizer without a chat template is returned
-    as is (callers fall back to raw prompts). Raises `ModelLoadError` when loading fails.
+    as is (callers fall back to raw prompts). Raises `ModelLoadError` when loading fails, and
+    before loading when a local model's weights (with `full_training`, also its gradients and
+    AdamW state) cannot fit in this machine's available memory.
     """
     hint = "pass a local directory with config.json, weights and tokenizer files, or a hub id with network access"
     from gspo.pretrained import MODELS, fetch_model  # late: pretrained imports this module
@@ -281,6 +301,7 @@ def load_model(
                                  f"Hugging Face cache, and {where}: {hint}")
     if os.path.isdir(path):
         _check_local_dir(path)
+        _check_local_fits(path, name_or_path, dtype, full_training, trust_remote_code)
     try:
         torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)

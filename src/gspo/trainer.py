@@ -86,7 +86,7 @@ def build_model(cfg: Config, device: torch.device | str = "cpu"):
                                      num_experts=m.num_experts,
                                      num_experts_per_tok=m.num_experts_per_tok, **shape)
     else:
-        model, tokenizer = load_model(m.name_or_path, dtype=m.dtype)
+        model, tokenizer = load_model(m.name_or_path, dtype=m.dtype, full_training=not m.lora_rank)
     return model.to(device=device, dtype=getattr(torch, m.dtype)), tokenizer
 
 
