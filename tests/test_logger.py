@@ -1,20 +1,17 @@
-"""Tests for gspo.logger: JSONL rows, value conversion, disabled ranks, resume, TensorBoard."""
+"""Tests for gspo.logger: JSONL rows, value conversion, disabled ranks, resume (the trackers
+it also feeds are tested in test_trackers.py)."""
 
 import json
-import logging
-import sys
-import types
 
 import numpy as np
 import pytest
 import torch
 
-from gspo import logger as logger_mod
 from gspo.logger import MetricsLogger, read_metrics
 
 
 def test_rows_round_trip_with_step_first(tmp_path):
-    with MetricsLogger(tmp_path, tensorboard=False) as ml:
+    with MetricsLogger(tmp_path) as ml:
         ml.log(1, {"reward/mean": 0.5, "n": 3})
         ml.log(2, {"reward/mean": 0.75})
     assert read_metrics(tmp_path) == [{"step": 1, "reward/mean": 0.5, "n": 3},
@@ -24,7 +21,7 @@ def test_rows_round_trip_with_step_first(tmp_path):
 
 
 def test_rows_are_flushed_before_close(tmp_path):
-    ml = MetricsLogger(tmp_path, tensorboard=False)
+    ml = MetricsLogger(tmp_path)
     ml.log(1, {"x": 1.0})
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "x": 1.0}]
     ml.close()
@@ -32,7 +29,7 @@ def test_rows_are_flushed_before_close(tmp_path):
 
 
 def test_tensors_and_numpy_become_plain_numbers(tmp_path):
-    with MetricsLogger(tmp_path, tensorboard=False) as ml:
+    with MetricsLogger(tmp_path) as ml:
         ml.log(torch.tensor(3), {
             "t0": torch.tensor(0.25), "t1": torch.tensor([2.0]), "np": np.float32(0.5),
             "np_int": np.int64(4), "arr": np.array(1.5), "flag": True,
@@ -43,7 +40,7 @@ def test_tensors_and_numpy_become_plain_numbers(tmp_path):
 
 
 def test_non_scalar_or_non_number_metric_is_an_error(tmp_path):
-    with MetricsLogger(tmp_path, tensorboard=False) as ml:
+    with MetricsLogger(tmp_path) as ml:
         with pytest.raises(ValueError, match="'v' has 2 elements"):
             ml.log(1, {"v": torch.tensor([1.0, 2.0])})
         with pytest.raises(TypeError, match="'s'"):
@@ -53,7 +50,7 @@ def test_non_scalar_or_non_number_metric_is_an_error(tmp_path):
 
 
 def test_non_finite_values_are_null_in_valid_json(tmp_path):
-    with MetricsLogger(tmp_path, tensorboard=False) as ml:
+    with MetricsLogger(tmp_path) as ml:
         ml.log(1, {"nan": float("nan"), "inf": torch.tensor(float("inf")), "ok": 1.0})
     line = (tmp_path / "metrics.jsonl").read_text().strip()
     assert "NaN" not in line and "Infinity" not in line
@@ -71,15 +68,15 @@ def test_disabled_logger_writes_nothing(tmp_path):
 
 def test_resume_keeps_rows_up_to_step_and_matches_uninterrupted_run(tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    with MetricsLogger(full, tensorboard=False) as ml:
+    with MetricsLogger(full) as ml:
         for step in range(1, 7):
             ml.log(step, {"x": step / 10})
-    with MetricsLogger(resumed, tensorboard=False) as ml:  # crashes after step 5, ckpt at 3
+    with MetricsLogger(resumed) as ml:  # crashes after step 5, ckpt at 3
         for step in range(1, 6):
             ml.log(step, {"x": step / 10})
     with open(resumed / "metrics.jsonl", "a") as f:
         f.write('{"step": 6, "x"')  # torn last line
-    with MetricsLogger(resumed, tensorboard=False, resume_from_step=3) as ml:
+    with MetricsLogger(resumed, resume_from_step=3) as ml:
         assert [r["step"] for r in read_metrics(resumed)] == [1, 2, 3]
         for step in range(4, 7):
             ml.log(step, {"x": step / 10})
@@ -87,9 +84,9 @@ def test_resume_keeps_rows_up_to_step_and_matches_uninterrupted_run(tmp_path):
 
 
 def test_fresh_logger_starts_a_new_file(tmp_path):
-    with MetricsLogger(tmp_path, tensorboard=False) as ml:
+    with MetricsLogger(tmp_path) as ml:
         ml.log(1, {"x": 1.0})
-    with MetricsLogger(tmp_path, tensorboard=False) as ml:
+    with MetricsLogger(tmp_path) as ml:
         ml.log(1, {"x": 2.0})
     assert read_metrics(tmp_path) == [{"step": 1, "x": 2.0}]
 
@@ -100,35 +97,3 @@ def test_read_metrics_rejects_a_bad_middle_line(tmp_path):
         read_metrics(tmp_path)
     with pytest.raises(FileNotFoundError):
         read_metrics(tmp_path / "elsewhere")
-
-
-def test_missing_tensorboard_is_skipped_with_one_info_message(tmp_path, monkeypatch, caplog):
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises
-    monkeypatch.setattr(logger_mod, "_said_tensorboard_missing", False)
-    with caplog.at_level(logging.INFO, logger="gspo.logger"):
-        for sub in ("a", "b"):
-            with MetricsLogger(tmp_path / sub) as ml:
-                ml.log(1, {"x": 1.0})
-    assert sum("tensorboard" in r.message for r in caplog.records) == 1
-    assert not (tmp_path / "a" / "tensorboard").exists()
-
-
-def test_tensorboard_gets_scalars_and_purges_on_resume(tmp_path, monkeypatch):
-    calls = []
-
-    class FakeWriter:
-        def __init__(self, log_dir, purge_step=None):
-            calls.append(("init", log_dir, purge_step))
-
-        def add_scalar(self, tag, value, step):
-            calls.append((tag, value, step))
-
-        def close(self):
-            calls.append(("close",))
-
-    fake = types.ModuleType("torch.utils.tensorboard")
-    fake.SummaryWriter = FakeWriter
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
-    with MetricsLogger(tmp_path, resume_from_step=4) as ml:
-        ml.log(5, {"kl/old": torch.tensor(0.5)})
-    assert calls == [("init", str(tmp_path / "tensorboard"), 5), ("kl/old", 0.5, 5), ("close",)]

@@ -171,7 +171,12 @@ class TrainConfig:
     eval_temperature: float = _f(1.0, "sampling temperature of the evaluation")
     save_every: int = _f(100, "checkpoint every N RL steps (and at the end); 0 = only the end")
     keep_last: int = _f(2, "checkpoints kept (older ones are deleted)")
-    tensorboard: bool = _f(True, "also write TensorBoard events when tensorboard is installed")
+    report_to: list | str = _f([], "experiment trackers to log to besides metrics.jsonl "
+                               "(always written): any of tensorboard, wandb, trackio, mlflow, "
+                               "e.g. [wandb, tensorboard] (`pip install gspo[trackers]`)")
+    project: str = _f("gspo", "trackers: the project (wandb, Trackio) or experiment (MLflow) "
+                      "the run is logged under; the run's name is its directory's name")
+    tensorboard: bool = _f(False, "deprecated: true is train.report_to=[tensorboard]")
     progress: bool = _f(True, "show a progress bar")
     device: str = _f("auto", "where the training model runs: 'auto' (this rank's GPU, "
                      "cuda:LOCAL_RANK, when CUDA is available, else the CPU), 'cpu', 'cuda', "
@@ -390,11 +395,28 @@ def resolve(cfg: Config) -> Config:
     _positive("train.eval_temperature", t.eval_temperature, allow_zero=True)
     for k in ("eval_every", "save_every", "keep_last"):
         _positive(f"train.{k}", getattr(t, k), allow_zero=True)
+    _check_trackers(t)
     if t.data_parallel not in ("auto", "fsdp", "ddp"):
         raise ConfigError(f"train.data_parallel '{t.data_parallel}' is unknown; available: "
                           f"auto, fsdp, ddp")
     _check_data(cfg.data)
     return cfg
+
+
+def _check_trackers(t: TrainConfig) -> None:
+    """Validate train.report_to, folding the deprecated train.tensorboard into it (so the saved
+    config names each tracker once)."""
+    from gspo.trackers import TRACKERS
+
+    names = [t.report_to] if isinstance(t.report_to, str) else t.report_to
+    unknown = [n for n in names if not isinstance(n, str) or n not in TRACKERS]
+    if unknown:
+        raise ConfigError(f"train.report_to: unknown tracker {unknown[0]!r}; choose from "
+                          f"{', '.join(TRACKERS)}")
+    t.report_to = list(dict.fromkeys(names + ["tensorboard"] * t.tensorboard))
+    t.tensorboard = False
+    if not t.project:
+        raise ConfigError("train.project must name the trackers' project, e.g. gspo")
 
 
 def _check_data(d: DataConfig) -> None:

@@ -1,10 +1,10 @@
-"""Metrics: one JSON row per step in `run_dir/metrics.jsonl`, plus TensorBoard when available.
+"""Metrics: one JSON row per step in `run_dir/metrics.jsonl`, plus the trackers asked for.
 
 Each row is `{"step": k, "<name>": value, ...}`, flushed as it is written so a crash loses at
 most the row being written. Values are plain JSON numbers; tensors and numpy scalars are
 converted, and non-finite values (NaN, +-inf) are written as `null` so every line stays valid
-JSON (strict parsers reject the `NaN` that Python's json emits by default). TensorBoard gets
-the raw float, NaN included.
+JSON (strict parsers reject the `NaN` that Python's json emits by default). The trackers of
+`report_to` (gspo.trackers: tensorboard, wandb, trackio, mlflow) get the raw float, NaN included.
 
 A disabled logger (non-zero ranks) does nothing, so the trainer never writes `if rank == 0`.
 """
@@ -12,18 +12,15 @@ A disabled logger (non-zero ranks) does nothing, so the trainer never writes `if
 from __future__ import annotations
 
 import json
-import logging
 import math
 import numbers
 import os
 from pathlib import Path
 from typing import Any
 
-METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
+from gspo.trackers import open_trackers
 
-log = logging.getLogger(__name__)
-_said_tensorboard_missing = False
+METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsLogger:
@@ -32,32 +29,37 @@ class MetricsLogger:
     `resume_from_step=None` starts a fresh metrics.jsonl (a run dir describes one run);
     `resume_from_step=k` keeps the existing rows with step <= k and appends after them, so a
     resumed run ends with the same file an uninterrupted run would have written.
+
+    `report_to` names trackers (gspo.trackers.TRACKERS) that get every row too, with `config`
+    (the resolved config as a nested dict) as their run's config, under `project`.
     """
 
     def __init__(
         self,
         run_dir: str | os.PathLike,
         enabled: bool = True,
-        tensorboard: bool = True,
         resume_from_step: int | None = None,
+        report_to: list[str] = (),
+        config: dict | None = None,
+        project: str = "gspo",
     ):
         self.enabled = enabled
         self.path = Path(run_dir) / METRICS_FILE
         self._file = None
-        self._tb = None
+        self._trackers = []
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._trackers = open_trackers(list(report_to), self.path.parent, project, config or {},
+                                       resume_from_step)
         if resume_from_step is None:
             self._file = open(self.path, "w")
         else:
             _truncate_after(self.path, resume_from_step)
             self._file = open(self.path, "a")
-        if tensorboard:
-            self._tb = _summary_writer(self.path.parent / TENSORBOARD_DIR, resume_from_step)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Write one row for `step` (to the file and TensorBoard)."""
+        """Write one row for `step` (to the file and the trackers)."""
         if self._file is None:
             return
         if "step" in metrics:
@@ -66,18 +68,17 @@ class MetricsLogger:
         row = {"step": int(step), **{k: _json_safe(v) for k, v in values.items()}}
         self._file.write(json.dumps(row, allow_nan=False) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for name, v in values.items():
-                self._tb.add_scalar(name, v, int(step))
+        for tracker in self._trackers:
+            tracker.log(int(step), values)
 
     def close(self) -> None:
-        """Flush and close the file and the TensorBoard writer; safe to call twice."""
+        """Flush and close the file and the trackers; safe to call twice."""
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -117,23 +118,6 @@ def _truncate_after(path: Path, step: int) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(kept)
     os.replace(tmp, path)
-
-
-def _summary_writer(log_dir: Path, resume_from_step: int | None):
-    """A TensorBoard SummaryWriter, or None (said once, at info level) if tensorboard is absent.
-
-    On resume, purge_step drops events a crashed run wrote past the checkpoint.
-    """
-    global _said_tensorboard_missing
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        if not _said_tensorboard_missing:
-            log.info("tensorboard is not installed; writing metrics.jsonl only")
-            _said_tensorboard_missing = True
-        return None
-    purge = None if resume_from_step is None else resume_from_step + 1
-    return SummaryWriter(log_dir=str(log_dir), purge_step=purge)
 
 
 def _to_number(name: str, value: Any) -> float | int:

@@ -34,7 +34,7 @@ import transformers
 
 from gspo.checkpoint import (latest_checkpoint, load_checkpoint, read_reference,
                              read_training_state, save_checkpoint)
-from gspo.config import Config, load_config, save_config
+from gspo.config import Config, load_config, save_config, to_dict
 from gspo.data import encode_prompts, score
 from gspo.distributed import (Dist, Policy, as_local, broadcast_weights, checkpoint_state,
                                fsdp_available, init_distributed, iter_weights,
@@ -53,6 +53,7 @@ from gspo.moe import RoutingRecorder, expert_counts, expert_volatility, is_moe, 
 from gspo.objectives import (OBJECTIVES, engine_mismatch, group_advantages, kl_k3,
                              truncated_is_weights)
 from gspo.tasks import build_task
+from gspo.trackers import require as require_trackers
 from gspo.weights import copy_weights_
 
 log = logging.getLogger(__name__)
@@ -401,6 +402,7 @@ def engine_options(r) -> dict:
 def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
     """Build model, task, engine and optimiser; restore a checkpoint or run the warm-up."""
     t = cfg.train
+    require_trackers(t.report_to)  # a missing package fails now, not after the warm-up
     d = init_distributed(t.device, t.dist_timeout_s)
     if cfg.rollout.prompts_per_step % d.world:
         raise TrainingError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be "
@@ -690,7 +692,11 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Summary:
     with exclusive(run_dir, enabled=int(os.environ.get("RANK", "0")) == 0), StopRequest() as stop:
         run = prepare(cfg, Path(run_dir), resume)
         try:
-            return _train(run, cfg, resume, stop)
+            with MetricsLogger(run.run_dir, enabled=run.dist.is_main,
+                               resume_from_step=run.start_step if resume else None,
+                               report_to=cfg.train.report_to, config=to_dict(cfg),
+                               project=cfg.train.project) as logger:
+                return _train(run, cfg, resume, logger, stop)
         finally:
             run.engine.close()
 
@@ -715,23 +721,21 @@ def save(run: Run, done: int, start_acc, final_acc) -> int:
     return done
 
 
-def _halt(run: Run, stop: StopRequest, done: int, saved: int | None, start_acc, final_acc,
-          logger) -> None:
+def _halt(run: Run, stop: StopRequest, done: int, saved: int | None, start_acc,
+          final_acc) -> None:
     """After a signal: checkpoint the last finished step (unless it is saved) and stop."""
     if saved != done:
         save(run, done, start_acc, final_acc)
     run.dist.barrier()
-    logger.close()
     signum, name = stop.name(run.dist)
     raise Interrupted(f"stopped by {name} after {done} of {run.cfg.train.steps} RL steps; "
                       f"checkpoint {run.run_dir / 'checkpoints' / f'step_{done:06d}'} holds it; "
                       f"continue with: gspo train --resume {run.run_dir}", signum)
 
 
-def _train(run: Run, cfg: Config, resume: bool, stop: StopRequest | None = None) -> Summary:
+def _train(run: Run, cfg: Config, resume: bool, logger: MetricsLogger,
+           stop: StopRequest | None = None) -> Summary:
     t = cfg.train
-    logger = MetricsLogger(run.run_dir, enabled=run.dist.is_main, tensorboard=t.tensorboard,
-                           resume_from_step=run.start_step if resume else None)
     start_acc = run.state.get("start_accuracy")
     if not resume and t.eval_every > 0:
         first = run_eval(run)
@@ -745,7 +749,7 @@ def _train(run: Run, cfg: Config, resume: bool, stop: StopRequest | None = None)
     for step in bar:
         row = None if stop and stop.requested(run.dist) else rl_step(run, step, stop)
         if row is None:  # a signal: nothing of this step is applied
-            _halt(run, stop, step, saved, start_acc, final_acc, logger)
+            _halt(run, stop, step, saved, start_acc, final_acc)
         done = step + 1
         if t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps):
             row.update(run_eval(run))
@@ -757,6 +761,5 @@ def _train(run: Run, cfg: Config, resume: bool, stop: StopRequest | None = None)
         if (t.save_every > 0 and done % t.save_every == 0) or done == t.steps:
             saved = save(run, done, start_acc, final_acc)
         run.dist.barrier()
-    logger.close()
     return Summary(run.run_dir, start_acc, final_acc, run.warmup_s,
                    time.perf_counter() - rl_t0, _peak_rss_mb(), t.steps)

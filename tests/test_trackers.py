@@ -1,0 +1,297 @@
+"""Tests for gspo.trackers (train.report_to): every tracker through its real library, read back
+from what the library itself stored and compared with metrics.jsonl.
+
+A tracker whose package is absent is skipped. Runs go through `gspo train` in subprocesses, so
+each library's process-wide state (wandb's service, Trackio's store directory, read when it is
+imported) stays out of this process; every store lies under the test's tmp directory.
+"""
+
+import copy
+import importlib.util
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import TINY_OVERRIDES
+from gspo.cli import main
+from gspo.logger import MetricsLogger, read_metrics
+from gspo.trackers import TRACKERS
+
+PACKAGES = {"tensorboard": ["tensorboard"], "wandb": ["wandb"], "trackio": ["trackio"],
+            "mlflow": ["mlflow", "sqlalchemy", "alembic"]}
+INSTALLED = [n for n, packages in PACKAGES.items()
+             if all(importlib.util.find_spec(p) for p in packages)]
+RUN = "gspo-tracked"
+TIMEOUT = 300
+# --resume through the CLI; then, to spare a process, a second run in the same stores (another
+# project; MLflow: the first run's database) logging NaN and inf
+RESUME_THEN_LOG_NAN = """
+import os, sys
+from gspo.cli import main
+from gspo.logger import MetricsLogger
+run, nan_run, report_to = sys.argv[1:]
+assert main(["train", "--resume", run, "train.steps=3"]) == 0
+os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{run}/mlflow.db"
+with MetricsLogger(nan_run, report_to=report_to.split(","), project="gspo-nan") as ml:
+    ml.log(1, {"nan": float("nan"), "inf": float("inf"), "ok": 0.5})
+"""
+
+
+def tracker_env(root: Path) -> dict:
+    """This process's environment with every tracker's store under `root`, offline."""
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(root / "wandb"),
+           "WANDB_SILENT": "true", "TRACKIO_DIR": str(root / "trackio")}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+def python(*args, env, cwd) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True,
+                         text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@dataclass
+class Tracked:
+    root: Path        # the trackers' stores: wandb/, trackio/
+    run: Path
+    nan_run: Path     # RESUME_THEN_LOG_NAN's second run
+    first_ids: dict   # trackers.json after the first start
+    rows: list        # metrics.jsonl at the end
+    configs: list     # (first step, config) of each start
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory) -> Tracked:
+    """A 2-step tiny run reporting to every installed tracker, then resumed for a third step
+    (and RESUME_THEN_LOG_NAN's run of one row)."""
+    if not INSTALLED:
+        pytest.skip("no tracker package installed (pip install 'gspo[trackers]')")
+    root = tmp_path_factory.mktemp("trackers")
+    (root / "wandb").mkdir()
+    env, run, nan_run = tracker_env(root), root / RUN, root / "nan-run"
+    python("-m", "gspo", "train", "--output-dir", str(run), *TINY_OVERRIDES,
+           f"train.report_to=[{','.join(INSTALLED)}]", env=env, cwd=root)
+    first_ids = json.loads((run / "trackers.json").read_text())
+    python("-c", RESUME_THEN_LOG_NAN, str(run), str(nan_run), ",".join(INSTALLED), env=env,
+           cwd=root)
+    resumed = yaml.safe_load((run / "config.yaml").read_text())
+    first = copy.deepcopy(resumed)
+    first["train"]["steps"] = 2
+    return Tracked(root, run, nan_run, first_ids, read_metrics(run), [(0, first), (2, resumed)])
+
+
+def history(rows: list[dict]) -> dict[str, list[tuple]]:
+    """{metric: [(step, value), ...]} of rows like metrics.jsonl's."""
+    out = {}
+    for row in rows:
+        for name, value in row.items():
+            if name not in ("step", "timestamp"):  # timestamp: Trackio's own
+                out.setdefault(name, []).append((row["step"], value))
+    return out
+
+
+# ---- what each library stored, read with the library's own reader ----------------------------
+
+def tensorboard_events(run: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0,
+                                                                        "tensors": 0})
+    events.Reload()  # every event file: a resume adds one
+    return events
+
+
+def tensorboard_history(run: Path, root: Path) -> dict[str, list[tuple]]:
+    events = tensorboard_events(run)
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+            for tag in events.Tags()["scalars"]}
+
+
+def wandb_records(run: Path, root: Path):
+    """The protobuf records of the run's offline .wandb files (one per start), oldest first.
+
+    A .wandb file is W&B's 7-byte header, then LevelDB-log framing: 32 KiB blocks of chunks,
+    each with a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    run_id = json.loads((run / "trackers.json").read_text())["wandb"]
+    for path in sorted((root / "wandb" / "wandb").glob(f"offline-run-*-{run_id}/*.wandb")):
+        data, pos, chunks = path.read_bytes(), 7, b""
+        assert data[:4] == b":W&B"
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+                pos += 32768 - pos % 32768
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            chunks += data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(chunks)
+                yield path, record
+                chunks = b""
+
+
+def wandb_history(run: Path, root: Path) -> dict[str, list[tuple]]:
+    out = {}
+    for _, r in wandb_records(run, root):
+        if r.WhichOneof("record_type") == "history":
+            for item in r.history.item:
+                name = item.key or "/".join(item.nested_key)
+                if not name.startswith("_"):  # wandb's own _step, _runtime, _timestamp
+                    out.setdefault(name, []).append((r.history.step.num,
+                                                     json.loads(item.value_json)))
+    return out
+
+
+def mlflow_client(root: Path):
+    from mlflow import MlflowClient
+
+    return MlflowClient(f"sqlite:///{root / RUN / 'mlflow.db'}")  # the tracked run's database
+
+
+def mlflow_history(run: Path, root: Path) -> dict[str, list[tuple]]:
+    client = mlflow_client(root)
+    run_id = json.loads((run / "trackers.json").read_text())["mlflow"]
+    return {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k))
+            for k in client.get_run(run_id).data.metrics}
+
+
+def trackio_storage(root: Path, monkeypatch):
+    from trackio import sqlite_storage
+
+    monkeypatch.setattr(sqlite_storage, "TRACKIO_DIR", root / "trackio")  # read at import
+    return sqlite_storage.SQLiteStorage
+
+
+def test_resume_keeps_each_trackers_run_id(tracked):
+    assert [r["step"] for r in tracked.rows] == [0, 1, 2, 3]
+    assert set(tracked.first_ids) == set(INSTALLED) - {"tensorboard"}  # it has no run id
+    assert json.loads((tracked.run / "trackers.json").read_text()) == tracked.first_ids
+
+
+def test_tensorboard_holds_every_row_once_and_each_starts_config(tracked):
+    pytest.importorskip("tensorboard")
+    as_float32 = {k: [(s, float(np.float32(v))) for s, v in points]
+                  for k, points in history(tracked.rows).items()}
+    assert tensorboard_history(tracked.run, tracked.root) == as_float32
+    texts = [(e.step, json.loads(e.tensor_proto.string_val[0]))
+             for e in tensorboard_events(tracked.run).Tensors("config/text_summary")]
+    assert texts == tracked.configs
+
+
+def test_wandb_offline_runs_share_one_id_and_hold_every_row_and_the_config(tracked):
+    pytest.importorskip("wandb")
+    runs = [(path, r.run) for path, r in wandb_records(tracked.run, tracked.root)
+            if r.WhichOneof("record_type") == "run"]
+    assert len({path for path, _ in runs}) == 2  # the first start and the resume
+    assert {(r.run_id, r.display_name, r.project) for _, r in runs} == {
+        (tracked.first_ids["wandb"], RUN, "gspo")}  # so `wandb sync` joins them into one run
+    configs = [{i.key: json.loads(i.value_json) for i in r.config.update if i.key != "_wandb"}
+               for _, r in runs]
+    assert configs == [config for _, config in tracked.configs]
+    assert wandb_history(tracked.run, tracked.root) == history(tracked.rows)
+
+
+def test_mlflow_run_is_continued_and_holds_every_row_and_the_config(tracked):
+    pytest.importorskip("mlflow")
+    client = mlflow_client(tracked.root)
+    runs = client.search_runs([client.get_experiment_by_name("gspo").experiment_id])
+    assert [(r.info.run_id, r.info.run_name, r.info.status) for r in runs] == [
+        (tracked.first_ids["mlflow"], RUN, "FINISHED")]
+    renamed = {k.replace("@", "_"): v for k, v in history(tracked.rows).items()}  # pass@k
+    assert mlflow_history(tracked.run, tracked.root) == renamed
+    first = tracked.configs[0][1]  # MLflow params are immutable: they keep the first start's
+    assert runs[0].data.params == {f"{section}.{k}": str(v) for section, fields in first.items()
+                                   for k, v in fields.items()}
+
+
+def test_trackio_run_is_continued_and_holds_every_row_and_the_config(tracked, monkeypatch):
+    pytest.importorskip("trackio")
+    storage = trackio_storage(tracked.root, monkeypatch)
+    assert storage.get_runs("gspo") == [RUN]
+    logs = storage.get_logs("gspo", RUN, run_id=tracked.first_ids["trackio"])
+    assert history(logs) == history(tracked.rows)
+    config = storage.get_run_config("gspo", RUN)
+    assert {k: v for k, v in config.items() if not k.startswith("_")} == tracked.configs[-1][1]
+
+
+def test_every_tracker_stores_nan_and_inf(tracked, monkeypatch):
+    """NaN and inf reach each library as floats (metrics.jsonl alone writes null)."""
+    run = tracked.nan_run
+    assert read_metrics(run) == [{"step": 1, "nan": None, "inf": None, "ok": 0.5}]
+    readers = {"tensorboard": tensorboard_history, "wandb": wandb_history,
+               "mlflow": mlflow_history,
+               "trackio": lambda run, root: history(trackio_storage(root, monkeypatch).get_logs(
+                   "gspo-nan", run.name))}
+    for name in INSTALLED:
+        stored = {k: points[0][1] for k, points in readers[name](run, tracked.root).items()}
+        assert math.isnan(stored["nan"]) and stored["ok"] == 0.5, name
+        # MLflow's SQL store clamps inf to the largest double
+        assert stored["inf"] == (sys.float_info.max if name == "mlflow" else math.inf), name
+
+
+def test_tensorboard_resume_purges_the_steps_past_the_checkpoint(tmp_path):
+    """A run that crashed after logging step 5 resumes from its checkpoint at step 3: TensorBoard
+    keeps steps 1-3 of the first writer and 4-6 of the second, each step once."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path, report_to=["tensorboard"]) as ml:
+        for step in range(1, 6):
+            ml.log(step, {"x": step})
+    with MetricsLogger(tmp_path, report_to=["tensorboard"], resume_from_step=3) as ml:
+        for step in range(4, 7):
+            ml.log(step, {"x": 10 * step})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("x")] == [
+        (1, 1), (2, 2), (3, 3), (4, 40), (5, 50), (6, 60)]
+
+
+def test_default_config_writes_metrics_jsonl_and_imports_no_tracker(tmp_path):
+    """Nothing turns on because its package is installed: no tracker module is even imported,
+    and nothing but the run directory appears (no ./wandb, ./mlflow.db, Trackio store)."""
+    modules = ["torch.utils.tensorboard", "tensorboard", "wandb", "trackio", "mlflow"]
+    script = ("import json, sys; from gspo import load_config, train\n"
+              "train(load_config(overrides=sys.argv[2:]), sys.argv[1])\n"
+              f"print(json.dumps([m for m in {modules!r} if m in sys.modules]))\n")
+    overrides = [o for o in TINY_OVERRIDES if not o.startswith("train.tensorboard")]
+    out = python("-c", script, str(tmp_path / "run"), *overrides, "train.steps=1",
+                 "warmup.steps=0", "train.eval_every=0",
+                 env=tracker_env(tmp_path / "stores"), cwd=tmp_path)
+    assert json.loads(out.stdout.splitlines()[-1]) == []
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+    assert sorted(os.listdir(tmp_path / "run")) == [".lock", "checkpoints", "config.yaml",
+                                                    "metrics.jsonl"]
+
+
+@pytest.mark.parametrize("name", list(TRACKERS))
+def test_a_missing_tracker_package_is_one_line_before_any_training(name, tmp_path, monkeypatch,
+                                                                   capsys):
+    monkeypatch.setitem(sys.modules, TRACKERS[name].modules[0], None)  # its import raises
+    run = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run), *TINY_OVERRIDES,
+                 f"train.report_to=[{name}]"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"gspo: error: train.report_to names {name}")
+    assert "pip install 'gspo[trackers]'" in err
+    assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
+
+
+def test_an_unknown_tracker_is_one_line_naming_the_choices(tmp_path, capsys):
+    assert main(["train", "--output-dir", str(tmp_path / "run"),
+                 "train.report_to=[wandb, neptune]"]) == 2
+    assert capsys.readouterr().err == ("gspo: error: train.report_to: unknown tracker 'neptune'; "
+                                       "choose from tensorboard, wandb, trackio, mlflow\n")
