@@ -1,7 +1,8 @@
-"""`gspo train --dry-run`, on the default, on local stand-ins of real architectures (the same
-config class and keys as the real model, tiny sizes) and on config-only directories of the real
-sizes."""
+"""`gspo train --dry-run` and the recipes in examples/configs/: each recipe loads, resolves and
+passes the dry run against a locally built stand-in of its architecture (the same config class
+and keys as the real model, tiny sizes)."""
 
+import importlib.util
 import io
 import os
 import subprocess
@@ -19,6 +20,7 @@ from gspo.models import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data"
+RECIPES = ROOT / "examples" / "configs"
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8)
 # the real models' sizes (their config.json on the hub), for the parameter counts
@@ -63,6 +65,55 @@ def moe_dir(tmp_path_factory):
     cfg = Qwen3MoeConfig(**TINY, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
                          max_position_embeddings=32768, tie_word_embeddings=False)
     return save_standin(cfg, tmp_path_factory.mktemp("qwen3moe"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the recipes
+
+GSM8K = [f"data.path={DATA / 'gsm8k_mini.jsonl'}", f"data.eval_path={DATA / 'gsm8k_mini.jsonl'}",
+         "data.subset="]  # the recipes read openai/gsm8k from the hub
+RECIPE_RUNS = {
+    "qwen3_0.6b_gsm8k_vllm.yaml": ("dense", GSM8K, 1),
+    "qwen3_1.7b_gsm8k_vllm.yaml": ("dense", GSM8K, 1),
+    "qwen3_30b_a3b_gspo_fsdp8.yaml": ("moe", [f"data.path={DATA / 'math_mini.jsonl'}",
+                                              f"data.eval_path={DATA / 'math_mini.jsonl'}"], 8),
+    "qwen3_1.7b_code_lcb_vllm.yaml": ("dense", [f"data.path={DATA / 'code_mini.jsonl'}",
+                                                f"data.eval_path={DATA / 'code_mini.jsonl'}"], 1),
+}
+
+
+def test_every_recipe_is_checked_here():
+    recipes = {p.name for p in RECIPES.glob("qwen3_*.yaml")}
+    assert recipes == set(RECIPE_RUNS)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPE_RUNS))
+def test_a_recipe_passes_the_dry_run_on_a_standin_of_its_architecture(recipe, dense_dir, moe_dir,
+                                                                      tmp_path):
+    kind, data, world = RECIPE_RUNS[recipe]
+    model_dir = {"dense": dense_dir, "moe": moe_dir}[kind]
+    out = run_cli("--config", str(RECIPES / recipe), "--world-size", str(world),
+                  f"model.name_or_path={model_dir}", *data, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    arch = "Qwen3MoeForCausalLM" if kind == "moe" else "Qwen3ForCausalLM"
+    assert f"model       {arch}" in out.stdout
+    assert f"launch      {world} rank(s), {'FSDP2' if world > 1 else 'one process'}" in out.stdout
+    assert "dry run passed" in out.stdout and "Traceback" not in out.stderr
+    cfg = load_config(RECIPES / recipe, [f"model.name_or_path={model_dir}", *data])
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        assert ("checked on this machine: rollout.engine=vllm (the vllm package) not available "
+                "here; needed at run time") in out.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_the_moe_recipe_keeps_the_papers_settings():
+    cfg = load_config(RECIPES / "qwen3_30b_a3b_gspo_fsdp8.yaml",
+                      [f"data.path={DATA / 'math_mini.jsonl'}",
+                       f"data.eval_path={DATA / 'math_mini.jsonl'}"])
+    a = cfg.algorithm
+    assert (a.name, a.eps_low, a.eps_high, a.minibatches, a.beta, a.routing_replay) == \
+        ("gspo", 3e-4, 4e-4, 4, 0.0, False)
+    assert cfg.train.data_parallel == "fsdp" and cfg.train.eval_k == 32  # AIME'24 avg@32
 
 
 # ---------------------------------------------------------------------------------------------
