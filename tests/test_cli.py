@@ -70,7 +70,7 @@ def test_an_unknown_hub_id_without_network_fails_at_once_naming_it(tmp_path):
 
     import pytest
 
-    from gspo.models import _hub_unreachable
+    from gspo.hub import hub_unreachable as _hub_unreachable
     if _hub_unreachable() is None:
         pytest.skip("the hub is reachable from here: transformers reports the missing repo")
     t0 = time.monotonic()

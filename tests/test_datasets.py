@@ -154,8 +154,9 @@ def test_warm_up_without_solutions_says_to_set_warmup_steps_0():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["data.task=math"], "set data.path=FILE"),
     (["data.task=code", "data.path=/no/such.jsonl"], "data.path '/no/such.jsonl' not found"),
+    (["data.task=math", "data.path=my data.jsonl"], "neither an existing file or directory nor "
+                                                    "a hub dataset id like openai/gsm8k"),
     (["data.path=examples/data/math_mini.jsonl"], "data.task is 'arithmetic'"),
     (["data.task=poetry"], "available: arithmetic, math, code"),
     (["data.format_weight=1.0"], "data.format_weight must be in [0, 1)"),
@@ -240,3 +241,142 @@ def test_an_unreadable_file_is_one_error_naming_it(tmp_path, name, content, mess
 def test_a_list_of_answers_stays_a_list(tmp_path):
     path = write_jsonl(tmp_path / "m.jsonl", [{"prompt": "p", "answer": [6, " x "]}])
     assert load_rows(path, data(task="math"))[0]["answer"] == ["6", "x"]
+
+
+# ---------------------------------------------------------------------------------------------
+# hub datasets, dataset repositories on disk, rows and rewards from Python
+
+
+def _gsm8k_repo(path: Path) -> Path:
+    """A directory laid out as the hub's openai/gsm8k: two subsets, each with two splits."""
+    raw = [json.loads(line) for line in (DATA / "gsm8k_mini.jsonl").read_text().splitlines()]
+    readme = ["---", "configs:"]
+    for subset, rows in (("main", raw), ("socratic", raw[:2])):
+        readme.append(f"- config_name: {subset}\n  data_files:")
+        for split, part in (("train", rows[:-1]), ("test", rows[-1:])):
+            (path / subset).mkdir(parents=True, exist_ok=True)
+            write_jsonl(path / subset / f"{split}.jsonl", part)
+            readme.append(f"  - split: {split}\n    path: {subset}/{split}.jsonl")
+    (path / "README.md").write_text("\n".join(readme + ["---", ""]))
+    return path
+
+
+@pytest.fixture
+def datasets_cache(tmp_path, monkeypatch):
+    import datasets
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+
+
+def test_a_dataset_repository_on_disk_is_read_by_subset_and_split(tmp_path, datasets_cache):
+    repo = _gsm8k_repo(tmp_path / "gsm8k")
+    d = data(task="math", prompt_field="question", subset="main")
+    file_rows = load_rows(DATA / "gsm8k_mini.jsonl", data(task="math", prompt_field="question"))
+    assert load_rows(repo, d) == file_rows[:-1]
+    assert load_rows(repo, d, split="test") == file_rows[-1:]
+    assert len(load_rows(repo, data(task="math", prompt_field="question", subset="socratic"))) == 1
+    with pytest.raises(DatasetError, match="'nope' not found. Available: \\['main', 'socratic'\\]"):
+        load_rows(repo, data(task="math", prompt_field="question", subset="nope"))
+    with pytest.raises(DatasetError, match="Unknown split \"validation\""):
+        load_rows(repo, d, split="validation")
+
+
+def test_eval_split_reads_the_held_out_split_of_the_same_dataset(tmp_path, datasets_cache):
+    repo = str(_gsm8k_repo(tmp_path / "gsm8k"))
+    train, held_out, _, _ = build_task(data(task="math", prompt_field="question", subset="main",
+                                            path=repo, eval_path=repo, eval_split="test"))
+    assert (len(train), len(held_out)) == (7, 1)
+    last = json.loads((DATA / "gsm8k_mini.jsonl").read_text().splitlines()[-1])
+    assert held_out[0]["answer"] == last["answer"]  # the test split: the file's last row
+
+
+def test_a_subset_of_a_plain_file_is_an_error_saying_to_drop_it():
+    with pytest.raises(DatasetError, match="data.subset='main' names a configuration of a hub "
+                                           "dataset, but .* is a file .*; drop data.subset"):
+        load_rows(DATA / "gsm8k_mini.jsonl", data(task="math", prompt_field="question",
+                                                 subset="main"))
+
+
+def test_a_hub_id_offline_fails_at_once_naming_the_way_out(monkeypatch):
+    import time
+
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # refused at once
+    t0 = time.monotonic()
+    with pytest.raises(DatasetError, match="'no-such-org/no-such-set' is not a local file or "
+                                           "directory, and as a hub dataset id it cannot be "
+                                           "fetched: the hub at http://127.0.0.1:9 cannot be "
+                                           "reached"):
+        load_rows("no-such-org/no-such-set", data(task="math"))
+    assert time.monotonic() - t0 < 10  # no retries with back-off
+
+
+def test_a_hub_id_in_offline_mode_looks_in_the_cache_and_says_so(tmp_path):
+    code = ("from gspo.config import DataConfig\nfrom gspo.tasks.datasets import load_rows\n"
+            "load_rows('no-such-org/no-such-set', DataConfig(task='math'))\n")
+    import os
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                           "HF_DATASETS_CACHE": str(tmp_path)})
+    assert out.returncode != 0
+    assert "DatasetError: dataset 'no-such-org/no-such-set'" in out.stderr
+    assert "(HF_HUB_OFFLINE is set)" in out.stderr
+
+
+def test_a_string_that_is_neither_a_path_nor_a_hub_id_names_both():
+    with pytest.raises(DatasetError, match="'my data.jsonl' not found \\(nor is it a hub dataset "
+                                           "id like openai/gsm8k\\)"):
+        load_rows("my data.jsonl", data(task="math"))
+
+
+def test_python_rows_are_mapped_and_checked_as_file_rows():
+    raw = [json.loads(line) for line in (DATA / "gsm8k_mini.jsonl").read_text().splitlines()]
+    d = data(task="math", prompt_field="question", n_eval=2)
+    import datasets
+    from_file = build_task(data(task="math", prompt_field="question", n_eval=2,
+                                path=str(DATA / "gsm8k_mini.jsonl")))[:2]
+    assert build_task(d, train_data=raw)[:2] == from_file
+    assert build_task(d, train_data=datasets.Dataset.from_list(raw))[:2] == from_file
+    with pytest.raises(DatasetError, match="train_data row 2: field 'answer' \\(answer\\) is "
+                                           "missing"):
+        build_task(d, train_data=[raw[0], {"question": "q"}, raw[2]])
+    train, held_out, _, _ = build_task(data(task="math", prompt_field="question"),
+                                       train_data=raw[:5], eval_data=raw[5:])
+    assert (len(train), len(held_out)) == (5, 3)
+
+
+@pytest.mark.parametrize("given, message", [
+    (dict(train_data="train.jsonl"), "train_data must be a list of dicts or a datasets.Dataset, "
+                                     "got str 'train.jsonl' \\(for a file or hub id set data.path"),
+    (dict(train_data={"train": []}), "got a DatasetDict \\(pass one split"),
+    (dict(train_data=3), "got int"),
+    (dict(train_data=[{"question": "q", "answer": "1"}], path=str(DATA / "gsm8k_mini.jsonl")),
+     "both train_data and data.path are given; pass one"),
+    (dict(), "set data.path=FILE .* or from Python pass train\\(..., train_data=rows\\)"),
+    (dict(task="arithmetic", train_data=[{"prompt": "1+1"}]), "read with data.task=math or code"),
+    (dict(reward_fn=3, path=str(DATA / "gsm8k_mini.jsonl")), "reward_fn must be a callable"),
+    (dict(reward_fn=len, reward="math", path=str(DATA / "gsm8k_mini.jsonl")),
+     "a reward_fn is given and data.reward='math' too; pass one"),
+])
+def test_python_objects_that_cannot_be_used_are_one_clear_error(given, message):
+    given = {"task": "math", **given}
+    objects = {k: given.pop(k) for k in ("train_data", "reward_fn") if k in given}
+    d = data(prompt_field="question", n_eval=1, **given)
+    with pytest.raises(ConfigError, match=message):
+        build_task(d, **objects)
+
+
+def test_a_python_reward_replaces_the_tasks_and_a_list_of_them_is_summed():
+    d = data(task="math", prompt_field="question", n_eval=1, path=str(DATA / "gsm8k_mini.jsonl"))
+
+    def short(completion, **_):
+        return float(len(completion) < 5)
+
+    def has_answer(completion, answer, **_):
+        return float(answer.split("####")[-1].strip() in completion)
+
+    _, _, reward, _ = build_task(d, reward_fn=short)
+    assert reward is short
+    _, _, reward, _ = build_task(d, reward_fn=[short, has_answer])
+    assert reward("27", answer="... #### 27") == 2.0 and reward("a long 3", answer="#### 27") == 0.0

@@ -2,8 +2,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gspo.models import (ModelLoadError, _looks_like_path, build_tiny_qwen3, build_tiny_qwen3_moe,
-                         build_tokenizer, load_model)
+from gspo.models import (ModelLoadError, build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer,
+                         load_model)
 from gspo.logprobs import logprobs_from_hidden, position_ids_from_mask, token_logprobs
 
 
@@ -101,14 +101,6 @@ def test_load_model_names_missing_path_and_fix(tmp_path):
     with pytest.raises(ModelLoadError, match=str(tmp_path)):  # exists, but holds no model
         load_model(str(tmp_path))
     assert issubclass(ModelLoadError, ValueError)
-
-
-@pytest.mark.parametrize(
-    "name, is_path",
-    [("./m", True), ("/abs/m", True), ("~/m", True), ("runs/a/ckpt", True), ("Qwen/Qwen3-0.6B", False), ("gpt2", False)],
-)
-def test_hub_ids_are_not_mistaken_for_paths(name, is_path):
-    assert _looks_like_path(name) == is_path
 
 
 def test_auto_model_reloads_the_saved_config_type(model, tmp_path):

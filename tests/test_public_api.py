@@ -48,14 +48,36 @@ def test_an_unknown_name_is_an_attribute_error():
         gspo.trainn
 
 
-def test_the_readme_python_example_runs(tmp_path):
+def _readme_python_blocks() -> list[str]:
+    """The ```python blocks of the README's "Python API" section, in order."""
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Python API"):]
-    code = section[section.index("```python\n") + 10:section.index("```\n", section.index("```python"))]
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path)
+    section = section[:section.index("\n## ", 1)]
+    return [block.split("```", 1)[0] for block in section.split("```python\n")[1:]]
+
+
+def _run(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+def test_the_readme_python_example_runs(tmp_path):
+    out = _run(_readme_python_blocks()[0], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert lines[0].startswith("held-out accuracy ") and " -> " in lines[0]
     assert [line.split()[0] for line in lines[1:]] == ["0", "1", "2", "3"]
     assert (tmp_path / "runs" / "api-example" / "checkpoints" / "step_000003").is_dir()
+
+
+def test_the_readme_example_with_a_python_reward_and_python_rows_runs(tmp_path):
+    code = _readme_python_blocks()[1]
+    assert "reward_fn=" in code and "train_data=" in code and len(code.splitlines()) <= 12
+    out = _run(code, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("held-out accuracy ") and " -> " in out.stdout
+    run = tmp_path / "runs" / "api-objects"
+    assert (run / "checkpoints" / "step_000002").is_dir()
+    import yaml
+    data = yaml.safe_load((run / "config.yaml").read_text())["data"]
+    assert data["path"] == "" and data["reward"] == ""  # the rows and reward came from Python

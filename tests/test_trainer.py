@@ -29,8 +29,8 @@ def dense_reward(monkeypatch):
 
     real = trainer.build_task
 
-    def build_task(d):
-        train_rows, eval_rows, _, solution = real(d)
+    def build_task(d, *python_objects):
+        train_rows, eval_rows, _, solution = real(d, *python_objects)
         return train_rows, eval_rows, digit_fraction, solution
 
     monkeypatch.setattr(trainer, "build_task", build_task)

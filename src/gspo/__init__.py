@@ -22,7 +22,7 @@ _API = {
     "train": "gspo.trainer", "prepare": "gspo.trainer", "rl_step": "gspo.trainer",
     "generate": "gspo.trainer", "old_policy": "gspo.trainer", "update": "gspo.trainer",
     "step_prompts": "gspo.trainer", "build_model": "gspo.trainer", "build_task": "gspo.trainer",
-    "warmup": "gspo.trainer", "Summary": "gspo.trainer",
+    "warmup": "gspo.trainer", "Summary": "gspo.trainer", "dry_run": "gspo.dryrun",
     # the math
     "OBJECTIVES": "gspo.objectives", "LossSpec": "gspo.objectives",
     "register_objective": "gspo.objectives", "group_advantages": "gspo.objectives",

@@ -30,6 +30,16 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="DIR",
                    help="continue the run in DIR from its latest checkpoint, with its saved "
                         "config (overrides still apply)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the run without starting it and exit: resolve the config, load "
+                        "the tokenizer and the model's config (no weights), check every data "
+                        "row, call the reward once, check the batch against the world size, "
+                        "print the rollout batch, token budget and a memory estimate per rank. "
+                        "Writes nothing. What only the run's machine needs (the vllm package, "
+                        "a CUDA device) is a warning, so a GPU recipe can be checked on a laptop")
+    p.add_argument("--world-size", type=int, metavar="N",
+                   help="with --dry-run: check a planned launch on N ranks (default: "
+                        "$WORLD_SIZE, else 1)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value",
                    help="config overrides, e.g. algorithm=grpo optim.lr=1e-5")
     return p
@@ -44,6 +54,9 @@ def train_main(argv: list[str]) -> int:
     args = _train_parser().parse_args(argv)
     cfg = None
     try:
+        if args.world_size is not None and not args.dry_run:
+            raise ConfigError("--world-size plans a launch for --dry-run to check; a run takes "
+                              "its world size from torchrun (WORLD_SIZE)")
         config_path = args.config
         if args.resume:
             if args.output_dir:
@@ -57,6 +70,10 @@ def train_main(argv: list[str]) -> int:
                     raise ConfigError(f"--resume {run_dir}: no run to resume there (no "
                                       f"config.yaml); start one with --output-dir {run_dir}")
         cfg = load_config(config_path, args.overrides)
+        if args.dry_run:
+            from gspo.dryrun import dry_run
+            dry_run(cfg, args.world_size, args.resume or args.output_dir, bool(args.resume))
+            return 0
         if not args.resume:
             run_dir = Path(args.output_dir or
                            f"runs/{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}")

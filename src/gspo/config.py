@@ -62,11 +62,14 @@ class DataConfig:
     n_eval: int = _f(200, "held-out prompts: arithmetic generates them (disjoint from training); "
                      "math/code without data.eval_path hold out this many rows of data.path")
     seed: int = _f(1234, "seed of the task generator and of the math/code held-out split")
-    path: str = _f("", "math/code: training prompts, a .jsonl, .json, .parquet or .csv file or "
-                   "a `datasets` directory saved with save_to_disk")
-    eval_path: str = _f("", "math/code: held-out prompts in the same formats (default: "
+    path: str = _f("", "math/code: training prompts, a .jsonl, .json, .parquet or .csv file, "
+                   "a `datasets` directory (save_to_disk, or a hub dataset's layout) or a hub "
+                   "dataset id read with datasets.load_dataset, e.g. openai/gsm8k")
+    eval_path: str = _f("", "math/code: held-out prompts in the same forms (default: "
                         "data.n_eval rows held out of data.path)")
-    split: str = _f("train", "split read from a saved DatasetDict directory")
+    subset: str = _f("", "hub dataset: its configuration (subset), e.g. 'main' for openai/gsm8k")
+    split: str = _f("train", "split of data.path (a hub dataset or a saved DatasetDict)")
+    eval_split: str = _f("", "split of data.eval_path ('' = data.split), e.g. 'test'")
     max_rows: int = _f(0, "math/code: read at most this many rows of each file (0 = all)")
     prompt_field: str = _f("prompt", "field holding the prompt (the user turn of the chat "
                            "template), e.g. 'question' for GSM8K, 'problem' for MATH")
@@ -438,13 +441,14 @@ def _check_data(d: DataConfig) -> None:
                               f"{distinct} distinct problems with data.digits={d.digits}; "
                               f"lower them")
     else:
-        if not d.path:
-            raise ConfigError(f"data.task={d.task} reads its prompts from a file: set "
-                              f"data.path=FILE (.jsonl, .parquet, .csv or a datasets directory)")
+        # data.path may be empty here: Python rows given to gspo.train take its place, and
+        # build_task says what to set when neither is given
+        from gspo.hub import looks_like_hub_id
         for key in ("path", "eval_path"):
             value = getattr(d, key)
-            if value and not Path(value).expanduser().exists():
-                raise ConfigError(f"data.{key} '{value}' not found")
+            if value and not Path(value).expanduser().exists() and not looks_like_hub_id(value):
+                raise ConfigError(f"data.{key} '{value}' not found: it is neither an existing "
+                                  f"file or directory nor a hub dataset id like openai/gsm8k")
         if not d.eval_path:
             _positive("data.n_eval", d.n_eval)
         needed = {"math": "answer_field", "code": "tests_field"}[d.task]

@@ -36,8 +36,8 @@ def _parser() -> argparse.ArgumentParser:
                "data.system_prompt='...' data.reward=my_module:my_reward")
     p.add_argument("--model", required=True,
                    help="model directory or hub id (or 'tiny-qwen3', randomly initialised)")
-    p.add_argument("--data", required=True, help=".jsonl, .json, .parquet, .csv or a datasets "
-                   "directory saved with save_to_disk")
+    p.add_argument("--data", required=True, help=".jsonl, .json, .parquet, .csv, a datasets "
+                   "directory or a hub dataset id (with data.subset=..., data.split=...)")
     p.add_argument("--task", required=True, choices=["math", "code"], help="the reward")
     p.add_argument("--k", type=int, default=4, help="samples per problem (the paper: 32)")
     p.add_argument("--output", help="JSONL file (default: eval-<task>-<time>.jsonl)")

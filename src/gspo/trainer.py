@@ -74,7 +74,9 @@ class Summary:
 # set-up: model, task, optimiser
 
 
-def build_model(cfg: Config, device: torch.device | str = "cpu"):
+def build_model(cfg: Config, device: torch.device | str = "cpu", weights: bool = True):
+    """(model, tokenizer) of cfg.model. weights=False: a local or hub model is built on the meta
+    device from its config alone (gspo.models.load_model); the tiny ones are built anyway."""
     m = cfg.model
     shape = dict(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
                  num_kv_heads=m.num_kv_heads, seed=cfg.train.seed)
@@ -87,7 +89,10 @@ def build_model(cfg: Config, device: torch.device | str = "cpu"):
                                      num_experts=m.num_experts,
                                      num_experts_per_tok=m.num_experts_per_tok, **shape)
     else:
-        model, tokenizer = load_model(m.name_or_path, dtype=m.dtype, full_training=not m.lora_rank)
+        model, tokenizer = load_model(m.name_or_path, dtype=m.dtype, weights=weights,
+                                      full_training=not m.lora_rank)
+        if not weights:
+            return model, tokenizer  # on the meta device, in m.dtype
     return model.to(device=device, dtype=getattr(torch, m.dtype)), tokenizer
 
 
@@ -399,57 +404,84 @@ def engine_options(r) -> dict:
     return {"gpu_memory_utilization": r.vllm_gpu_memory_utilization}
 
 
-def prepare(cfg: Config, run_dir: Path, resume: bool) -> Run:
-    """Build model, task, engine and optimiser; restore a checkpoint or run the warm-up."""
-    t = cfg.train
-    require_trackers(t.report_to)  # a missing package fails now, not after the warm-up
-    d = init_distributed(t.device, t.dist_timeout_s)
-    if cfg.rollout.prompts_per_step % d.world:
-        raise TrainingError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be "
-                            f"divisible by the {d.world} ranks (whole groups stay on one rank)")
-    rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size // d.world
-    if d.enabled and rows % cfg.algorithm.minibatches:
-        raise TrainingError(f"each of the {d.world} ranks holds {rows} rollouts per step, which "
-                            f"is not divisible by algorithm.minibatches="
-                            f"{cfg.algorithm.minibatches}; raise rollout.prompts_per_step or "
-                            f"lower algorithm.minibatches")
+def check_launch(cfg: Config, world: int, n_train_rows: int | None = None,
+                 resume: bool = False) -> None:
+    """What a run on `world` ranks needs that the config alone cannot check: how the step's
+    prompts, each rank's rollouts and the warm-up batch divide over the ranks (the warm-up only
+    once the `n_train_rows` are known), and what runs in one process only. Shared by `prepare`
+    and `gspo train --dry-run` (which passes a planned world size)."""
+    r, a = cfg.rollout, cfg.algorithm
+    if r.prompts_per_step % world:
+        raise TrainingError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible "
+                            f"by the {world} ranks (whole groups stay on one rank)")
+    rows = r.prompts_per_step * r.group_size // world
+    if world > 1 and rows % a.minibatches:
+        raise TrainingError(f"each of the {world} ranks holds {rows} rollouts per step, which "
+                            f"is not divisible by algorithm.minibatches={a.minibatches}; raise "
+                            f"rollout.prompts_per_step or lower algorithm.minibatches")
+    if world > 1 and cfg.model.lora_rank > 0:
+        raise TrainingError("model.lora_rank > 0 runs in one process for now; launch without "
+                            "torchrun, or train every weight (model.lora_rank=0)")
+    engine = engine_class(r.engine)
+    if world > 1 and engine.single_process:
+        raise TrainingError(f"rollout.engine={r.engine} runs one engine in one process; under "
+                            f"torchrun use rollout.engine=hf")
+    if a.routing_replay and a.old_logprobs == "rollout" and not engine.records_routing:
+        raise TrainingError(f"routing replay with old_logprobs=rollout needs an engine that "
+                            f"records MoE routing; rollout.engine={r.engine} does not (use "
+                            f"rollout.engine=hf or algorithm.old_logprobs=recompute)")
+    warm_batch = min(cfg.warmup.batch_size, n_train_rows or 0)
+    if n_train_rows is not None and cfg.warmup.steps and not resume and warm_batch % world:
+        raise TrainingError(f"the warm-up batch ({warm_batch} = min(warmup.batch_size, training "
+                            f"rows)) must be divisible by the {world} ranks (each scores its "
+                            f"share of the batch)")
+
+
+def run_dir_checkpoint(cfg: Config, run_dir: Path, resume: bool,
+                       verify: bool = True) -> Path | None:
+    """The checkpoint a resume starts from (None for a new run), after refusing a new run in a
+    directory that holds checkpoints and a resume that changes what cannot change. verify:
+    check the checkpoint's files against its manifest (reads them all)."""
     if not resume and latest_checkpoint(run_dir) is not None:
         raise TrainingError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
                             f"continue it or choose a new --output-dir")
-    ckpt = latest_checkpoint(run_dir, verify=True) if resume else None
+    ckpt = latest_checkpoint(run_dir, verify=verify) if resume else None
     if resume and ckpt is None:
         raise TrainingError(f"--resume {run_dir}: no finished checkpoint found there")
     if resume and (run_dir / "config.yaml").is_file():
         refuse_frozen_changes(load_config(run_dir / "config.yaml"), cfg, run_dir)
+    return ckpt
+
+
+def prepare(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train_data=None,
+            eval_data=None) -> Run:
+    """Build task, model, engine and optimiser; restore a checkpoint or run the warm-up.
+    reward_fn, train_data, eval_data: Python objects in place of data.reward / data.path /
+    data.eval_path (see `train`)."""
+    t = cfg.train
+    require_trackers(t.report_to)  # a missing package fails now, not after the warm-up
+    d = init_distributed(t.device, t.dist_timeout_s)
+    check_launch(cfg, d.world)  # before anything is loaded; the warm-up batch once rows are
+    ckpt = run_dir_checkpoint(cfg, run_dir, resume)
     run_dir.mkdir(parents=True, exist_ok=True)
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar per save
     torch.manual_seed(t.seed)
 
+    # the data first: a bad row fails the run before a large model is loaded
+    train_rows, eval_rows, reward_fn, solution = build_task(cfg.data, train_data, eval_data,
+                                                            reward_fn)
     model, tokenizer = build_model(cfg, d.device)
-    train_rows, eval_rows, reward_fn, solution = build_task(cfg.data)
     train_rows, eval_rows = (fitting_prompts(rows, what, model, tokenizer, cfg)
                              for rows, what in ((train_rows, "training"), (eval_rows, "held-out")))
-    warm_batch = min(cfg.warmup.batch_size, len(train_rows))
-    if cfg.warmup.steps and not resume and warm_batch % d.world:
-        raise TrainingError(f"the warm-up batch ({warm_batch} = min(warmup.batch_size, training "
-                            f"rows)) must be divisible by the {d.world} ranks (each scores its "
-                            f"share of the batch)")
+    check_launch(cfg, d.world, len(train_rows), resume)
     state = {}
     lora = cfg.model.lora_rank > 0
-    if lora and d.enabled:
-        raise TrainingError("model.lora_rank > 0 runs in one process for now; launch without "
-                            "torchrun, or train every weight (model.lora_rank=0)")
     if ckpt is not None:  # weights and RNG now, the optimiser's state once it is built
         # LoRA: the base stays as loaded; the adapter is restored once it is injected
         state = load_checkpoint(ckpt, model, load_weights=not lora)
         log.info("resumed from %s at step %d", ckpt, state["step"])
     broadcast_weights(model, d)  # every rank starts from rank 0's weights
     mode = data_parallel_mode(cfg, d)
-    if (cfg.algorithm.routing_replay and cfg.algorithm.old_logprobs == "rollout"
-            and not engine_class(cfg.rollout.engine).records_routing):
-        raise TrainingError(f"routing replay with old_logprobs=rollout needs an engine that "
-                            f"records MoE routing; rollout.engine={cfg.rollout.engine} does "
-                            f"not (use rollout.engine=hf or algorithm.old_logprobs=recompute)")
     # copies while the weights are whole (FSDP2 shards them in place); refreshed after warm-up
     # LoRA: the engine holds a plain copy, refreshed with the merged weights
     engine = build_engine(model, tokenizer, cfg, own_copy=mode == "fsdp" or lora)
@@ -685,12 +717,31 @@ def rl_step(run: Run, step: int, stop: StopRequest | None = None) -> dict[str, f
     }
 
 
-def train(cfg: Config, run_dir: str | Path, resume: bool = False) -> Summary:
+def train(cfg: Config, run_dir: str | Path, resume: bool = False, *, reward_fn=None,
+          train_data=None, eval_data=None) -> Summary:
     """Run warm-up (unless resuming) and `train.steps` RL steps; write everything to run_dir.
     Holds run_dir's lock throughout (one writer per run); SIGTERM / SIGINT stop it with a
-    checkpoint (gspo.signals)."""
+    checkpoint (gspo.signals).
+
+    From Python, the reward and the data can be objects instead of config strings (TRL's
+    GRPOTrainer takes `reward_funcs` and `train_dataset` alike; gspo's rewards score one
+    completion at a time):
+
+    reward_fn   f(completion: str, **row_fields) -> float, or a list of them (rewards summed);
+                replaces data.reward and the task's own reward
+    train_data  the training prompts in place of data.path: a list of dicts or a
+                `datasets.Dataset`, each row mapped and checked as a file row is (data.task
+                math or code; data.prompt_field, data.answer_field / data.tests_field, ...;
+                a bad row is named as `train_data row N`)
+    eval_data   the held-out prompts in place of data.eval_path (default: data.n_eval rows
+                held out of train_data)
+
+    The saved config.yaml cannot record Python objects: to resume such a run, call train(...,
+    resume=True) with the same objects again (`gspo train --resume` has only the config).
+    """
     with exclusive(run_dir, enabled=int(os.environ.get("RANK", "0")) == 0), StopRequest() as stop:
-        run = prepare(cfg, Path(run_dir), resume)
+        run = prepare(cfg, Path(run_dir), resume, reward_fn=reward_fn, train_data=train_data,
+                      eval_data=eval_data)
         try:
             with MetricsLogger(run.run_dir, enabled=run.dist.is_main,
                                resume_from_step=run.start_step if resume else None,

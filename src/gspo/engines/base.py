@@ -85,6 +85,13 @@ class RolloutEngine(Protocol):
     """Whether `model` is an in-process torch module whose MoE routers can be recorded while it
     generates (Routing Replay with old_logprobs=rollout)."""
 
+    single_process: bool
+    """Whether it runs only in a process of its own, not on the ranks of a torchrun launch."""
+
+    requires: str | None
+    """The package it imports when it starts (None: nothing beyond gspo's own dependencies);
+    `gspo train --dry-run` checks for it."""
+
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams, seed: int) -> Rollouts:
         """n samples per prompt, prompt-major; the same seed gives the same rollouts."""
         ...

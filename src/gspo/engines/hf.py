@@ -77,6 +77,8 @@ class HFEngine:
     """
 
     records_routing = True  # the sampler is a torch module: its routers can be hooked
+    single_process = False
+    requires = None
 
     def __init__(self, model, eos_token_ids: list[int] | None = None, pad_token_id: int | None = None,
                  fast: bool = True):

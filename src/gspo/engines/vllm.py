@@ -66,6 +66,8 @@ class VLLMEngine:
     """RolloutEngine over a `vllm.LLM` in this process, built from the trainer's model."""
 
     records_routing = False  # vLLM's routers run inside its own kernels
+    single_process = True  # one engine in one process; no process group of its own yet
+    requires = "vllm"
 
     def __init__(self, model, tokenizer, dtype: str = "bfloat16", seed: int = 0,
                  gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,

@@ -6,6 +6,9 @@ their reward reads ('answer' for arithmetic and math, 'tests' for code).
     code         rows from data.path, tests run in the sandbox (gspo.rewards.code)
 
 `build_task` returns (train rows, held-out rows, reward function, worked-solution function).
+Rows come from data.path / data.eval_path, or from Python (`train_data` / `eval_data`: a list
+of dicts or a `datasets.Dataset`, mapped through the same data.* fields and checks as a file);
+a Python `reward_fn` replaces data.reward.
 The solution function feeds the supervised warm-up: for math and code it returns the row's
 `data.solution_field`; without one it raises ConfigError saying to set warmup.steps=0, which
 the trainer meets (and the CLI prints) at the first warm-up step.
@@ -22,28 +25,71 @@ from gspo.tasks import arithmetic
 RewardFn = Callable[..., float]
 
 
-def build_task(d) -> tuple[list[dict], list[dict], RewardFn, Callable[[dict], str]]:
-    """(train rows, held-out rows, reward function, worked-solution function) of a DataConfig."""
+def build_task(d, train_data=None, eval_data=None, reward_fn=None,
+               bad_rows: list[str] | None = None
+               ) -> tuple[list[dict], list[dict], RewardFn, Callable[[dict], str]]:
+    """(train rows, held-out rows, reward function, worked-solution function) of a DataConfig,
+    with rows and reward given from Python in place of data.path / data.eval_path /
+    data.reward. bad_rows: see gspo.tasks.datasets.map_rows."""
+    reward = user_reward(reward_fn, d) if reward_fn is not None else None
     if d.task == "arithmetic":
+        if train_data is not None or eval_data is not None:
+            raise ConfigError("train_data / eval_data rows are read with data.task=math or code "
+                              "(their fields mapped by data.prompt_field, data.answer_field or "
+                              "data.tests_field); set data.task")
         train_rows, eval_rows = arithmetic.make_splits(d.n_train, d.n_eval, d.digits,
                                                        d.operations, d.seed)
-        reward = build_reward(d) if d.reward else arithmetic.exact_match_reward
+        if reward is None:
+            reward = build_reward(d) if d.reward else arithmetic.exact_match_reward
         return train_rows, eval_rows, reward, arithmetic.solution
-    from gspo.tasks.datasets import DatasetError, load_rows
+    from gspo.tasks.datasets import DatasetError, load_rows, map_rows, python_rows
 
-    rows = load_rows(d.path, d)
-    if d.eval_path:
-        train_rows, eval_rows = rows, load_rows(d.eval_path, d)
+    def rows_of(data, what, key, split):  # Python rows, else the file, else None
+        if data is not None and getattr(d, key):
+            raise ConfigError(f"both {what} and data.{key} are given; pass one")
+        if data is not None:
+            return map_rows(python_rows(data, what), what, d, d.task, bad_rows)
+        path = getattr(d, key)
+        return load_rows(path, d, split=split, bad_rows=bad_rows) if path else None
+
+    rows = rows_of(train_data, "train_data", "path", d.split)
+    if rows is None:
+        raise ConfigError(f"data.task={d.task} reads its prompts from data.path: set data.path="
+                          f"FILE (.jsonl, .parquet, .csv, a datasets directory or a hub dataset "
+                          f"id), or from Python pass train(..., train_data=rows)")
+    held_out = rows_of(eval_data, "eval_data", "eval_path", d.eval_split or d.split)
+    if held_out is not None:
+        train_rows, eval_rows = rows, held_out
     else:
         if d.n_eval >= len(rows):
             raise DatasetError(f"data.n_eval={d.n_eval} would hold out every one of the "
-                               f"{len(rows)} rows of {d.path}; lower data.n_eval or set "
+                               f"{len(rows)} rows of {d.path or 'train_data'}; lower data.n_eval or set "
                                f"data.eval_path")
         order = list(range(len(rows)))
         random.Random(d.seed).shuffle(order)
         eval_rows = [rows[i] for i in sorted(order[:d.n_eval])]
         train_rows = [rows[i] for i in sorted(order[d.n_eval:])]
-    return train_rows, eval_rows, build_reward(d), _solution_fn(d)
+    return train_rows, eval_rows, build_reward(d) if reward is None else reward, _solution_fn(d)
+
+
+def user_reward(reward_fn, d) -> RewardFn:
+    """A reward given from Python: one callable f(completion, **row_fields) -> float, or a list
+    of them whose rewards are summed (as TRL sums its reward_funcs)."""
+    if d.reward:
+        raise ConfigError(f"a reward_fn is given and data.reward={d.reward!r} too; pass one")
+    fns = list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn]
+    bad = [f for f in fns if not callable(f)]
+    if bad or not fns:
+        raise ConfigError(f"reward_fn must be a callable f(completion, **row_fields) -> float "
+                          f"or a list of them, got {type(bad[0]).__name__ if bad else 'an empty list'}")
+    if len(fns) == 1:
+        return fns[0]
+
+    def summed(completion: str, **fields) -> float:
+        return sum(float(f(completion, **fields)) for f in fns)
+
+    summed.__name__ = "+".join(getattr(f, "__name__", "reward") for f in fns)
+    return summed
 
 
 def build_reward(d, task: str | None = None) -> RewardFn:

@@ -1,5 +1,7 @@
-"""Prompt rows from the files users bring: JSONL, Parquet, CSV, or a `datasets` directory
-saved with `save_to_disk`.
+"""Prompt rows from what users bring: JSONL, Parquet, CSV, a `datasets` directory (saved with
+`save_to_disk`, or laid out as a hub dataset repository), a hub dataset id read with
+`datasets.load_dataset` (`data.subset`, `data.split`), or Python rows (a list of dicts or a
+`datasets.Dataset`, given to `gspo.train`).
 
 A DataConfig maps the file's fields onto a row: `prompt_field` (the user turn, passed through
 `prompt_template`), `answer_field` (math), `tests_field` (code; see gspo.rewards.code for the
@@ -21,25 +23,35 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from gspo.errors import ConfigError
+from gspo.hub import hub_unreachable, looks_like_hub_id
 from gspo.rewards.code import normalize_tests
 
 log = logging.getLogger(__name__)
 
 FORMATS = ".jsonl, .json, .parquet, .csv, or a datasets directory (save_to_disk)"
+SAVED_MARKERS = ("dataset_dict.json", "state.json")  # what save_to_disk writes at the top
 
 
 class DatasetError(ConfigError):
     """A data file that cannot be used; the message names the file, row and field."""
 
 
-def _raw_rows(path: Path, split: str) -> Iterator[tuple[int, Any]]:
+def _raw_rows(path: Path, split: str, subset: str = "") -> Iterator[tuple[int, Any]]:
     """(row number, raw row) pairs; a raw row that is not a mapping is passed on as is."""
     suffix = path.suffix.lower()
-    if path.is_dir():
-        yield from _hf_rows(path, split)
+    saved = path.is_dir() and any((path / name).is_file() for name in SAVED_MARKERS)
+    if path.is_dir() and not saved:  # laid out as a hub dataset repository
+        yield from _hub_rows(str(path), subset, split)
+        return
+    if subset:
+        raise DatasetError(f"data.subset={subset!r} names a configuration of a hub dataset, but "
+                           f"{path} is a {'saved datasets directory' if saved else 'file'} (it "
+                           f"has none); drop data.subset")
+    if saved:
+        yield from _saved_rows(path, split)
     elif suffix in (".jsonl", ".ndjson") or (suffix == ".json" and not _is_json_array(path)):
         with path.open("rb") as f:
             for lineno, line in enumerate(f, 1):
@@ -86,7 +98,32 @@ def _is_json_array(path: Path) -> bool:
     return head.startswith(b"[")
 
 
-def _hf_rows(path: Path, split: str) -> Iterator[tuple[int, Any]]:
+def _hub_rows(name: str, subset: str, split: str) -> Iterator[tuple[int, Any]]:
+    """A dataset through `datasets.load_dataset`: a hub id, or a local directory laid out as a
+    hub repository (data files, a README declaring its configurations)."""
+    import datasets
+
+    is_dir = Path(name).is_dir()
+    where = None if is_dir else hub_unreachable()
+    # offline mode still reads the datasets cache; without it, no route fails now, not after
+    # the library's retries with back-off
+    if where and where != "HF_HUB_OFFLINE is set":
+        raise DatasetError(f"{name!r} is not a local file or directory, and as a hub dataset id "
+                           f"it cannot be fetched: {where}; save it to disk where there is a "
+                           f"network and pass that directory (or set HF_HUB_OFFLINE=1 to use a "
+                           f"cached copy)")
+    try:
+        ds = datasets.load_dataset(name, subset or None, split=split)
+    except (ValueError, OSError) as e:  # OSError: missing files, no connection
+        # the library's own words say which subset or split exists, or why it is unreachable
+        why = " ".join(str(e).split())[:300]
+        raise DatasetError(f"dataset {name!r} (data.subset {subset or 'unset'}, split {split}): "
+                           f"{type(e).__name__}: {why}"
+                           + (f" ({where})" if where else "")) from None
+    yield from enumerate(ds, 1)
+
+
+def _saved_rows(path: Path, split: str) -> Iterator[tuple[int, Any]]:
     import datasets
 
     try:
@@ -152,29 +189,61 @@ def map_row(raw: Any, d, task: str) -> dict:
     return {**extra, "prompt": d.prompt_template.replace("{prompt}", prompt), **row}
 
 
-def load_rows(path: str | Path, d, task: str | None = None) -> list[dict]:
-    """Every usable row of `path` under DataConfig `d` (task defaults to d.task)."""
-    path = Path(path).expanduser()
-    task = task or d.task
-    if not path.exists():
-        raise DatasetError(f"data file '{path}' not found")
+def load_rows(source: str | Path, d, task: str | None = None, split: str | None = None,
+              bad_rows: list[str] | None = None) -> list[dict]:
+    """Every usable row of `source` (a file, a datasets directory or a hub dataset id) under
+    DataConfig `d`; task defaults to d.task, split to d.split. See `map_rows` for bad_rows."""
+    path = Path(source).expanduser()
+    if path.exists():
+        raw = _raw_rows(path, split or d.split, d.subset)
+    elif looks_like_hub_id(str(source)):
+        raw, path = _hub_rows(str(source), d.subset, split or d.split), str(source)
+    else:
+        raise DatasetError(f"data file '{path}' not found (nor is it a hub dataset id like "
+                           f"openai/gsm8k)")
+    return map_rows(raw, str(path), d, task or d.task, bad_rows)
+
+
+def python_rows(data: Any, what: str) -> Iterator[tuple[int, Any]]:
+    """(row number, raw row) pairs of rows given from Python: a list (or any iterable) of dicts,
+    or a `datasets.Dataset`."""
+    if isinstance(data, (str, bytes, Path, dict)):  # a DatasetDict is a dict
+        kind = "a DatasetDict (pass one split, e.g. ds['train'])" if isinstance(data, dict) else (
+            f"{type(data).__name__} {str(data)[:60]!r} (for a file or hub id set data.path)")
+        raise DatasetError(f"{what} must be a list of dicts or a datasets.Dataset, got {kind}")
+    try:
+        return enumerate(iter(data), 1)
+    except TypeError:
+        raise DatasetError(f"{what} must be a list of dicts or a datasets.Dataset, got "
+                           f"{type(data).__name__}") from None
+
+
+def map_rows(raw_rows: Iterable[tuple[int, Any]], source: str, d, task: str,
+             bad_rows: list[str] | None = None) -> list[dict]:
+    """The usable rows of (row number, raw row) pairs read from `source` (named in errors).
+
+    A malformed row stops it (data.on_bad_row=fail) or is left out and counted (skip); with a
+    `bad_rows` list, every malformed row's message is appended there and the row left out
+    whatever on_bad_row says (the dry run names them all)."""
     rows, skipped, first_error = [], 0, None
-    for number, raw in _raw_rows(path, d.split):
+    for number, raw in raw_rows:
         try:
             rows.append(map_row(raw, d, task))
         except ValueError as e:
-            message = f"{path} row {number}: {e}"
-            if d.on_bad_row == "fail":
+            message = f"{source} row {number}: {e}"
+            if bad_rows is not None:
+                bad_rows.append(message)
+            elif d.on_bad_row == "fail":
                 raise DatasetError(f"{message} (data.on_bad_row=skip leaves such rows out)"
                                    ) from None
             skipped += 1
             first_error = first_error or message
         if d.max_rows and len(rows) >= d.max_rows:
             break
-    if skipped:
-        log.warning("%s: skipped %d malformed row(s); the first: %s", path, skipped, first_error)
+    if skipped and bad_rows is None:
+        log.warning("%s: skipped %d malformed row(s); the first: %s", source, skipped, first_error)
     if not rows:
-        raise DatasetError(f"{path}: no usable rows"
+        raise DatasetError(f"{source}: no usable rows"
                            + (f" ({skipped} malformed; the first: {first_error})" if skipped
                               else ""))
     return rows

@@ -1,0 +1,237 @@
+"""`gspo train --dry-run`: what a run checks before its first step, without the run.
+
+Given a resolved config: load the tokenizer and the model's config (a local or hub model is
+built on the meta device, so no weights are read; the tiny built-in models are built, they are
+cheap), read and check every row of the data (naming every malformed one), build the reward and
+call it once on a sample answer, check how the batch divides over the ranks of the launch
+(`WORLD_SIZE`, or a planned `world`), then print the resolved config, the rollout batch, the
+token budget of a step and an estimate of the memory per rank. Nothing is written: no run
+directory, no lock, no checkpoint.
+
+What only the machine the run goes to must have (the rollout engine's package, a CUDA device)
+is a warning here, not an error, so that a GPU recipe can be checked on a laptop. Left out: the
+memory of activations, logits and the allocator's slack (the estimate says so), and anything
+that needs the weights (a checkpoint's manifest is not verified on resume).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import sys
+from pathlib import Path
+from typing import TextIO
+
+import torch
+import yaml
+
+from gspo.config import Config, to_dict
+from gspo.data import encode_prompts, score
+from gspo.distributed import Dist, resolve_device
+from gspo.engines import engine_class
+from gspo.errors import ConfigError
+from gspo.tasks import build_task
+from gspo.tasks.datasets import DatasetError
+from gspo.trainer import (build_model, check_launch, data_parallel_mode, fitting_prompts,
+                          run_dir_checkpoint)
+
+GIB = 2 ** 30
+MAX_MEASURED = 2000  # prompts tokenized for the token budget (a seeded sample of larger sets)
+
+
+def dry_run(cfg: Config, world: int | None = None, run_dir: str | Path | None = None,
+            resume: bool = False, *, reward_fn=None, train_data=None, eval_data=None,
+            out: TextIO | None = None) -> dict:
+    """Check that `cfg` can start on `world` ranks (default: $WORLD_SIZE, else 1) and print
+    what the run would hold; returns the figures printed (GspoError when it cannot start).
+    run_dir: the directory the run would write (checked for checkpoints, never created);
+    out: where the report goes (default: stdout)."""
+    world = world or int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 1:
+        raise ConfigError(f"the world size must be >= 1, got {world}")
+    warnings = machine_warnings(cfg)
+    check_launch(cfg, world)
+    mode = data_parallel_mode(cfg, Dist(world=world))
+    if run_dir is not None and Path(run_dir).exists():
+        run_dir_checkpoint(cfg, Path(run_dir), resume, verify=False)
+    model, tokenizer = build_model(cfg, weights=False)
+    bad_rows: list[str] = []
+    train_rows, eval_rows, reward, solution = build_task(cfg.data, train_data, eval_data,
+                                                         reward_fn, bad_rows)
+    if bad_rows and cfg.data.on_bad_row == "fail":
+        raise DatasetError(f"{len(bad_rows)} malformed row(s): {'; '.join(bad_rows[:5])}"
+                           f"{'; ...' if len(bad_rows) > 5 else ''} (data.on_bad_row=skip "
+                           f"leaves such rows out)")
+    train_rows, eval_rows = (fitting_prompts(rows, what, model, tokenizer, cfg)
+                             for rows, what in ((train_rows, "training"), (eval_rows, "held-out")))
+    check_launch(cfg, world, len(train_rows), resume)
+    if cfg.warmup.steps and not resume:
+        solution(train_rows[0])  # a task without worked solutions says to set warmup.steps=0
+    value, sample = try_reward(cfg, reward, solution, train_rows[0])
+    prompt_max, prompt_mean, measured = prompt_lengths(train_rows, tokenizer, cfg)
+    figures = {
+        "world": world, "data_parallel": mode, "train_rows": len(train_rows),
+        "eval_rows": len(eval_rows), "bad_rows": len(bad_rows), "reward": value,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "prompt_tokens_max": prompt_max, "prompt_tokens_mean": prompt_mean,
+        "memory": memory_estimate(model, cfg, world, mode, prompt_max),
+    }
+    warnings += capacity_warning(cfg, figures["memory"])
+    print_report(cfg, figures, model, tokenizer, sample, measured, warnings, out)
+    return figures
+
+
+def machine_warnings(cfg: Config) -> list[str]:
+    """What the run needs that this machine lacks (the engine's package, CUDA): warnings."""
+    warnings = []
+    needs = engine_class(cfg.rollout.engine).requires
+    if needs and importlib.util.find_spec(needs) is None:
+        warnings.append(f"rollout.engine={cfg.rollout.engine} (the {needs} package)")
+    if cfg.train.device.startswith("cuda") and not torch.cuda.is_available():
+        warnings.append(f"train.device={cfg.train.device} (a CUDA device)")
+    else:
+        resolve_device(cfg.train.device)  # a device spec that cannot work anywhere fails
+    return [f"checked on this machine: {w} not available here; needed at run time"
+            for w in warnings]
+
+
+def capacity_warning(cfg: Config, memory: dict) -> list[str]:
+    """A warning when the estimate exceeds the memory of this machine's device, if it has the
+    device the run trains on (a laptop checking a GPU recipe has nothing to compare with)."""
+    cuda = cfg.train.device.startswith("cuda") or (cfg.train.device == "auto"
+                                                   and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        return []
+    from gspo.models import _available_bytes
+    total = torch.cuda.get_device_properties(0).total_memory if cuda else _available_bytes()
+    need = sum(memory.values())
+    if cuda and cfg.rollout.engine == "vllm":  # vLLM reserves its share, its weights inside
+        need += cfg.rollout.vllm_gpu_memory_utilization * total - memory["rollout_copy"]
+    if total is None or need <= total:
+        return []
+    return [f"the estimate, {need / GIB:.1f} GiB per rank, exceeds the {total / GIB:.1f} GiB "
+            f"{'of this GPU' if cuda else 'of memory available here'}"]
+
+
+def try_reward(cfg: Config, reward, solution, row: dict) -> tuple[float, str]:
+    """The reward of a sample answer to `row`: its worked solution where the data has one,
+    else the reference answer written out (math) or a placeholder program (code)."""
+    try:
+        sample, what = solution(row), "worked solution"
+    except ConfigError:  # no worked solutions: the reference answer, as a model would write it
+        if cfg.data.task == "math":
+            from gspo.rewards.math import reference_text
+            answer = row["answer"][0] if isinstance(row["answer"], list) else row["answer"]
+            sample, what = f"The answer is {reference_text(answer)}.", "reference answer"
+        else:
+            sample, what = "```python\nprint()\n```", "placeholder program"
+    try:
+        (value,), failures, first = score(reward, [sample], [row],
+                                          timeout=cfg.data.reward_fn_timeout or None)
+    finally:
+        getattr(reward, "close", lambda: None)()
+    name = getattr(reward, "__name__", type(reward).__name__)
+    if failures:
+        raise ConfigError(f"the reward {name} failed on a sample answer (a {what}) to the first "
+                          f"training row: {first}; fix the reward function or the data fields")
+    return value, f"{name} on the first training row with a {what}: {value:g}"
+
+
+def prompt_lengths(rows: list[dict], tokenizer, cfg: Config) -> tuple[int, float, int]:
+    """(longest, mean, number measured) prompt length in tokens, chat template included."""
+    if len(rows) > MAX_MEASURED:
+        rows = random.Random(cfg.data.seed).sample(rows, MAX_MEASURED)
+    lengths = [len(ids) for ids in encode_prompts(tokenizer, rows, cfg.data.system_prompt or None)]
+    return max(lengths), sum(lengths) / len(lengths), len(lengths)
+
+
+def memory_estimate(model, cfg: Config, world: int, mode: str, prompt_max: int) -> dict:
+    """Bytes per rank of what a run holds for the whole run: weights, gradients and AdamW's two
+    moments (sharded over the ranks under FSDP; AdamW keeps them in the parameters' dtype),
+    the rollout engine's own full copy and pi_ref's, and the hf engine's KV cache for this
+    rank's sequences at full length. Activations and logits come on top."""
+    n = sum(p.numel() for p in model.parameters())
+    width = getattr(torch, cfg.model.dtype).itemsize
+    roll_width = getattr(torch, cfg.rollout.dtype).itemsize
+    trainable = n if not cfg.model.lora_rank else lora_parameters(model, cfg)
+    shard = world if mode == "fsdp" else 1
+    own_copy = (cfg.rollout.engine != "hf" or mode == "fsdp" or cfg.model.lora_rank > 0
+                or cfg.rollout.dtype != cfg.model.dtype)
+    c = model.config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    sequences = cfg.rollout.prompts_per_step * cfg.rollout.group_size // world
+    kv = (2 * c.num_hidden_layers * heads * head_dim * roll_width * sequences
+          * (prompt_max + cfg.rollout.max_new_tokens))
+    return {"weights": n * width / shard, "gradients": trainable * width / shard,
+            "adamw": 2 * trainable * width / shard,
+            "rollout_copy": n * roll_width if own_copy else 0,
+            "reference": n * width if cfg.algorithm.beta > 0 else 0,
+            "kv_cache": kv if cfg.rollout.engine == "hf" else 0}
+
+
+def lora_parameters(model, cfg: Config) -> int:
+    """Parameters of LoRA adapters on the target linear layers: rank * (in + out) each."""
+    targets, r = set(cfg.model.lora_target_modules), cfg.model.lora_rank
+    return sum(r * (m.in_features + m.out_features) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets)
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e5 else f"{n:,}"
+
+
+def _size(b: float) -> str:
+    return f"{b / GIB:8.2f} GiB" if b >= GIB / 10 else f"{b / 2 ** 20:8.1f} MiB"
+
+
+def print_report(cfg: Config, f: dict, model, tokenizer, sample: str, measured: int,
+                 warnings: list[str], out: TextIO) -> None:
+    r, a, m = cfg.rollout, cfg.algorithm, f["memory"]
+    world, seqs = f["world"], r.prompts_per_step * r.group_size
+    per_seq = f["prompt_tokens_max"] + r.max_new_tokens
+    n, width = f["parameters"], cfg.model.dtype
+    shard = f" / {world} ranks" if f["data_parallel"] == "fsdp" else ""
+    mode = {"none": "one process", "fsdp": "FSDP2", "ddp": "DDP"}[f["data_parallel"]]
+    lines = [
+        "resolved config:", *("  " + line for line in
+                              yaml.safe_dump(to_dict(cfg), sort_keys=False).splitlines()),
+        "",
+        f"model       {type(model).__name__}, {_count(n)} parameters "
+        f"({'built' if cfg.model.name_or_path.startswith('tiny-') else 'from its config, no weights read'}); "
+        f"tokenizer of {len(tokenizer):,} tokens, "
+        f"{'chat template' if getattr(tokenizer, 'chat_template', None) else 'no chat template (raw prompts)'}",
+        f"data        {f['train_rows']:,} training and {f['eval_rows']:,} held-out rows, every "
+        f"row{f' up to data.max_rows={cfg.data.max_rows}' if cfg.data.max_rows else ''} checked "
+        f"({f['bad_rows']} malformed{', skipped' if f['bad_rows'] else ''})",
+        f"reward      {sample}",
+        f"launch      {world} rank(s), {mode}",
+        f"rollout     {r.prompts_per_step} prompts x {r.group_size} = {seqs:,} sequences per "
+        f"step; per rank {r.prompts_per_step // world} x {r.group_size} = {seqs // world:,}; "
+        f"{a.minibatches} minibatches of {seqs // a.minibatches:,} ({seqs // world // a.minibatches:,} "
+        f"per rank)",
+        f"tokens      per sequence <= {per_seq:,} = prompt <= {f['prompt_tokens_max']:,} "
+        f"(mean {f['prompt_tokens_mean']:.0f}, {measured:,} prompts measured) + "
+        f"max_new_tokens {r.max_new_tokens:,}; per step <= {seqs * per_seq:,} "
+        f"({seqs // world * per_seq:,} per rank)",
+        "memory per rank, estimated (activations, logits and the allocator's slack on top):",
+        f"  weights       {_size(m['weights'])}  {_count(n)} x {width}{shard}",
+        f"  gradients     {_size(m['gradients'])}"
+        + ("  LoRA adapters only" if cfg.model.lora_rank else ""),
+        f"  AdamW state   {_size(m['adamw'])}  two moments in {width}",
+    ]
+    if m["rollout_copy"]:
+        lines.append(f"  rollout copy  {_size(m['rollout_copy'])}  the {r.engine} "
+                     f"engine's full weights in {r.dtype}"
+                     + (f" (inside vLLM's {r.vllm_gpu_memory_utilization:g} of the GPU, with "
+                        f"its KV cache)" if r.engine == "vllm" else ""))
+    if m["reference"]:
+        lines.append(f"  pi_ref copy   {_size(m['reference'])}  algorithm.beta > 0")
+    if m["kv_cache"]:
+        lines.append(f"  KV cache      {_size(m['kv_cache'])}  {seqs // world:,} "
+                     f"sequences x {per_seq:,} tokens, hf engine")
+    lines.append(f"  total         {_size(sum(m.values()))}")
+    lines += [f"warning: {w}" for w in warnings]
+    lines.append("dry run passed: the run can start as configured (nothing was written)")
+    print("\n".join(lines), file=out or sys.stdout)

@@ -1,0 +1,259 @@
+"""`gspo train --dry-run` and the recipes in examples/configs/: each recipe loads, resolves and
+passes the dry run against a locally built stand-in of its architecture (the same config class
+and keys as the real model, tiny sizes)."""
+
+import importlib.util
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+from gspo.config import load_config
+from gspo.dryrun import dry_run
+from gspo.errors import GspoError
+from gspo.models import build_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "examples" / "data"
+RECIPES = ROOT / "examples" / "configs"
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8)
+# the real models' sizes (their config.json on the hub), for the parameter counts
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                     moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                     max_position_embeddings=32768, tie_word_embeddings=False)
+QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True)
+
+
+def run_cli(*args, cwd=None, env=None):
+    return subprocess.run([sys.executable, "-m", "gspo", "train", "--dry-run", *args],
+                          capture_output=True, text=True, cwd=cwd, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def save_standin(config, path: Path, weights: bool = True) -> Path:
+    """A model directory with the character tokenizer (it has a chat template); weights=False
+    writes the config alone, as a dry run needs no more."""
+    tok = build_tokenizer()
+    if weights:
+        config.update(dict(vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                           eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id))
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    else:
+        config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+        config.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    cfg = Qwen3Config(**TINY, max_position_embeddings=40960, tie_word_embeddings=True)
+    return save_standin(cfg, tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    cfg = Qwen3MoeConfig(**TINY, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                         max_position_embeddings=32768, tie_word_embeddings=False)
+    return save_standin(cfg, tmp_path_factory.mktemp("qwen3moe"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the recipes
+
+GSM8K = [f"data.path={DATA / 'gsm8k_mini.jsonl'}", f"data.eval_path={DATA / 'gsm8k_mini.jsonl'}",
+         "data.subset="]  # the recipes read openai/gsm8k from the hub
+RECIPE_RUNS = {
+    "qwen3_0.6b_gsm8k_vllm.yaml": ("dense", GSM8K, 1),
+    "qwen3_1.7b_gsm8k_vllm.yaml": ("dense", GSM8K, 1),
+    "qwen3_30b_a3b_gspo_fsdp8.yaml": ("moe", [f"data.path={DATA / 'math_mini.jsonl'}",
+                                              f"data.eval_path={DATA / 'math_mini.jsonl'}"], 8),
+    "qwen3_1.7b_code_lcb_vllm.yaml": ("dense", [f"data.path={DATA / 'code_mini.jsonl'}",
+                                                f"data.eval_path={DATA / 'code_mini.jsonl'}"], 1),
+}
+
+
+def test_every_recipe_is_checked_here():
+    recipes = {p.name for p in RECIPES.glob("qwen3_*.yaml")}
+    assert recipes == set(RECIPE_RUNS)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPE_RUNS))
+def test_a_recipe_passes_the_dry_run_on_a_standin_of_its_architecture(recipe, dense_dir, moe_dir,
+                                                                      tmp_path):
+    kind, data, world = RECIPE_RUNS[recipe]
+    model_dir = {"dense": dense_dir, "moe": moe_dir}[kind]
+    out = run_cli("--config", str(RECIPES / recipe), "--world-size", str(world),
+                  f"model.name_or_path={model_dir}", *data, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    arch = "Qwen3MoeForCausalLM" if kind == "moe" else "Qwen3ForCausalLM"
+    assert f"model       {arch}" in out.stdout
+    assert f"launch      {world} rank(s), {'FSDP2' if world > 1 else 'one process'}" in out.stdout
+    assert "dry run passed" in out.stdout and "Traceback" not in out.stderr
+    cfg = load_config(RECIPES / recipe, [f"model.name_or_path={model_dir}", *data])
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        assert ("checked on this machine: rollout.engine=vllm (the vllm package) not available "
+                "here; needed at run time") in out.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_the_moe_recipe_keeps_the_papers_settings():
+    cfg = load_config(RECIPES / "qwen3_30b_a3b_gspo_fsdp8.yaml",
+                      [f"data.path={DATA / 'math_mini.jsonl'}",
+                       f"data.eval_path={DATA / 'math_mini.jsonl'}"])
+    a = cfg.algorithm
+    assert (a.name, a.eps_low, a.eps_high, a.minibatches, a.beta, a.routing_replay) == \
+        ("gspo", 3e-4, 4e-4, 4, 0.0, False)
+    assert cfg.train.data_parallel == "fsdp" and cfg.train.eval_k == 32  # AIME'24 avg@32
+
+
+# ---------------------------------------------------------------------------------------------
+# what the dry run counts
+
+
+def test_parameters_are_counted_from_the_config_as_the_weights_hold_them(dense_dir, moe_dir):
+    for path in (dense_dir, moe_dir):
+        real = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
+        cfg = load_config(overrides=[f"model.name_or_path={path}", "warmup.steps=0"])
+        assert dry_run(cfg, out=io.StringIO())["parameters"] == real
+
+
+@pytest.mark.parametrize("sizes, cls, published", [
+    (QWEN3_30B_A3B, Qwen3MoeConfig, 30.5e9),  # Qwen: "30.5B in total, 3.3B activated"
+    (QWEN3_0_6B, Qwen3Config, 0.6e9),         # Qwen: "0.6B"
+])
+def test_the_real_sizes_match_what_qwen_publishes_without_allocating(sizes, cls, published,
+                                                                     tmp_path):
+    path = save_standin(cls(**sizes), tmp_path / "m", weights=False)  # no weight files at all
+    cfg = load_config(overrides=[f"model.name_or_path={path}", "warmup.steps=0",
+                                 "train.data_parallel=fsdp", "rollout.prompts_per_step=8",
+                                 "rollout.dtype=bfloat16"])
+    figures = dry_run(cfg, world=8, out=io.StringIO())
+    n = figures["parameters"]
+    assert abs(n - published) < 0.05e9
+    m = figures["memory"]
+    # float32: 4 bytes each for weights and gradients, 8 for AdamW's two moments, over 8 ranks;
+    # the rollout engine holds a whole bf16 copy (2 bytes each) on every rank
+    assert (m["weights"], m["gradients"], m["adamw"]) == (n * 4 / 8, n * 4 / 8, n * 8 / 8)
+    assert m["rollout_copy"] == n * 2
+
+
+def test_the_kv_cache_is_the_hf_engines_full_length_cache(tmp_path):
+    path = save_standin(Qwen3MoeConfig(**QWEN3_30B_A3B), tmp_path / "m", weights=False)
+    cfg = load_config(overrides=[f"model.name_or_path={path}", "warmup.steps=0",
+                                 "rollout.prompts_per_step=16", "rollout.group_size=16",
+                                 "rollout.max_new_tokens=1000", "rollout.dtype=bfloat16"])
+    f = dry_run(cfg, world=8, out=io.StringIO())
+    # 32 sequences per rank x (prompt + 1000) tokens x K and V x 48 layers x 4 heads x 128 x 2 B
+    tokens = 32 * (f["prompt_tokens_max"] + 1000)
+    assert f["memory"]["kv_cache"] == tokens * 2 * 48 * 4 * 128 * 2
+
+
+def test_the_report_names_the_batch_and_the_token_budget(capsys):
+    cfg = load_config(overrides=["rollout.prompts_per_step=8", "rollout.group_size=4",
+                                 "rollout.max_new_tokens=10", "algorithm.minibatches=2"])
+    f = dry_run(cfg, world=2)
+    text = capsys.readouterr().out
+    assert "rollout     8 prompts x 4 = 32 sequences per step; per rank 4 x 4 = 16; " \
+           "2 minibatches of 16 (8 per rank)" in text
+    per_seq = f["prompt_tokens_max"] + 10
+    assert f"per step <= {32 * per_seq:,} ({16 * per_seq:,} per rank)" in text
+    assert "resolved config:\n  model:\n    name_or_path: tiny-qwen3" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# what it refuses, and what it only warns about
+
+
+def test_every_malformed_row_is_named_in_one_error_line(tmp_path):
+    bad = tmp_path / "m.jsonl"
+    bad.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n{"prompt": "c", "answer": "3"}\n'
+                   'not json\n{"prompt": "e", "answer": "5"}\n')
+    out = run_cli("data.task=math", f"data.path={bad}", "data.n_eval=1", "warmup.steps=0",
+                  cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    line, = out.stderr.strip().splitlines()
+    assert line.startswith("gspo: error: 2 malformed row(s): ")
+    assert f"{bad} row 2: field 'answer' (answer) is missing" in line
+    assert f"{bad} row 4: not valid JSON" in line
+
+
+@pytest.mark.parametrize("overrides, world, env, message", [
+    ([], 3, {}, "rollout.prompts_per_step=32 must be divisible by the 3 ranks"),
+    (["warmup.batch_size=36"], None, {"WORLD_SIZE": "8"},  # a torchrun launch's world size
+     "the warm-up batch (36 = min(warmup.batch_size, training rows)) must be divisible by the "
+     "8 ranks"),
+    (["rollout.prompts_per_step=2", "rollout.group_size=2"], 2, {},
+     "each of the 2 ranks holds 2 rollouts per step, which is not divisible by "
+     "algorithm.minibatches=4"),
+    (["rollout.engine=vllm"], 2, {}, "rollout.engine=vllm runs one engine in one process"),
+])
+def test_what_does_not_divide_over_the_ranks_is_refused_as_the_run_would(overrides, world, env,
+                                                                         message, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(GspoError) as e:
+        dry_run(load_config(overrides=overrides), world=world, out=io.StringIO())
+    assert message in str(e.value)
+
+
+def test_a_reward_that_raises_on_the_sample_is_an_error(tmp_path):
+    (tmp_path / "r.py").write_text("def broken(completion, **_):\n    raise KeyError('answr')\n")
+    cfg = load_config(overrides=[f"data.reward={tmp_path}/r.py:broken"])
+    with pytest.raises(GspoError, match="the reward broken failed on a sample answer .* "
+                                        "KeyError: 'answr'"):
+        dry_run(cfg, out=io.StringIO())
+
+
+def test_a_task_without_solutions_and_a_warm_up_is_an_error():
+    cfg = load_config(overrides=["data.task=math", f"data.path={DATA / 'math_mini.jsonl'}",
+                                 "data.n_eval=2"])
+    with pytest.raises(GspoError, match="set warmup.steps=0"):
+        dry_run(cfg, out=io.StringIO())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_a_missing_cuda_device_is_a_warning_not_an_error():
+    out = io.StringIO()
+    dry_run(load_config(overrides=["train.device=cuda"]), out=out)
+    assert ("warning: checked on this machine: train.device=cuda (a CUDA device) not available "
+            "here; needed at run time") in out.getvalue()
+
+
+def test_it_writes_nothing_and_takes_no_lock(tmp_path):
+    run = tmp_path / "run"
+    out = run_cli("--output-dir", str(run), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_with_checkpoints_is_refused_as_the_run_would(tmp_path):
+    step = tmp_path / "run" / "checkpoints" / "step_000001"
+    step.mkdir(parents=True)
+    for name in ("model.safetensors", "config.json", "trainer_state.pt"):  # what makes one whole
+        (step / name).write_text("")
+    with pytest.raises(GspoError, match="already holds checkpoints; pass --resume"):
+        dry_run(load_config(), run_dir=tmp_path / "run", out=io.StringIO())
+
+
+def test_world_size_without_dry_run_is_refused(tmp_path, monkeypatch, capsys):
+    from gspo.cli import main
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--world-size", "2"]) == 2
+    assert "--world-size plans a launch for --dry-run" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_train_help_says_what_the_dry_run_only_warns_about():
+    from gspo.cli import _train_parser
+    text = " ".join(_train_parser().format_help().split())
+    assert "--dry-run" in text and "a GPU recipe can be checked on a laptop" in text
