@@ -283,7 +283,8 @@ def load_model(
                                  f"Hugging Face cache, and {where}: {hint}")
     if os.path.isdir(path):
         _check_local_dir(path)
-        _check_local_fits(path, name_or_path, dtype, full_training, trust_remote_code)
+        if weights:  # a dry run (weights=False) reports the estimate instead
+            _check_local_fits(path, name_or_path, dtype, full_training, trust_remote_code)
     try:
         torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
         if weights:

@@ -3,10 +3,11 @@
 The first signal only sets a flag: the loop finishes the optimiser steps under way or abandons a
 rollout that has no update yet, writes a checkpoint of the last finished step, prints where to
 `--resume` from and exits with 128 + the signal number (143 for SIGTERM, 130 for SIGINT), as
-SLURM and shells expect. A second signal exits at once, unless it is the same signal within
-FORWARDED_S of the first: a scheduler (SLURM's scancel, a terminal's Ctrl-C) signals every
-process of the job, and torchrun then forwards the one it got to its ranks, so each rank sees it
-twice; that second copy is not a request to hurry. Under torchrun, ranks agree at each
+SLURM and shells expect. A second signal exits at once, except under torchrun: a scheduler
+(SLURM's scancel, a terminal's Ctrl-C) signals every process of the job and torchrun then
+forwards the one it got to its ranks, so each rank sees it twice, and that copy is not a request
+to hurry. There torchrun's own escalation (SIGKILL after its grace period) is the way to exit at
+once, and a rank that has stopped ignores further copies. Under torchrun, ranks agree at each
 check (a max over ranks), so they stop at the same point; torchrun gives its workers about 30 s
 after forwarding a SIGTERM, which bounds how long the final checkpoint may take there.
 """
@@ -17,13 +18,14 @@ import logging
 import os
 import signal
 import threading
-import time
 
 from gspo.errors import GspoError
 
 log = logging.getLogger(__name__)
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-FORWARDED_S = 1.0
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ  # set by torchrun for its workers
 
 
 class Interrupted(GspoError):
@@ -40,7 +42,6 @@ class StopRequest:
 
     def __init__(self):
         self.signum: int | None = None
-        self._at = 0.0
         self._previous = {}
 
     def __enter__(self) -> "StopRequest":
@@ -50,17 +51,19 @@ class StopRequest:
 
     def __exit__(self, *exc) -> None:
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            # a stopped rank exits next: torchrun's forwarded copy may still be on its way
+            stopped = self.signum is not None and under_torchrun()
+            signal.signal(s, signal.SIG_IGN if stopped else handler)
         self._previous = {}
 
     def _handle(self, signum: int, frame) -> None:
-        if signum == self.signum and time.monotonic() - self._at < FORWARDED_S:
-            return  # the same signal forwarded by a launcher (torchrun), not a second one
+        if self.signum is not None and under_torchrun():
+            return  # torchrun's forwarded copy; torchrun itself escalates to SIGKILL
         if self.signum is not None:  # the second signal: no more waiting
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.signum, self._at = signum, time.monotonic()
+        self.signum = signum
         log.warning("%s received: stopping after the step under way, with a checkpoint "
                     "(send it again to exit at once)", signal.Signals(signum).name)
 
