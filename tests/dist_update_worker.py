@@ -72,15 +72,21 @@ def main(out: str, overrides: list[str]) -> None:
         with torch.no_grad():
             old_logp = run.policy(r.input_ids, r.attention_mask, r.response_ids.shape[1], 1.0,
                                   1024) + noise[rows, :w]
+        grads = {}  # what the last optimiser step used (update frees .grad after its steps)
+
+        def capture(optimizer, args, kwargs):
+            # sharded under FSDP, so gathered (a collective) on every rank, which all step
+            grads.update({k: as_local(p.grad).clone() for k, p in run.model.named_parameters()})
+
+        run.optimizer.register_step_pre_hook(capture)
         metrics = update(run, r, old_logp, None, adv[rows])
-        save(run, out, metrics)
+        save(run, out, metrics, grads)
         shutdown()
 
 
-def save(run, out: str, metrics: dict) -> None:
-    # .grad still holds the (reduced) gradient the last optimiser step used; sharded under
-    # FSDP, so gathered (a collective) on every rank
-    grads = {k: as_local(p.grad).clone() for k, p in run.model.named_parameters()}
+def save(run, out: str, metrics: dict, grads: dict | None = None) -> None:
+    if grads is None:  # after the warm-up, .grad holds its last step's (reduced) gradient
+        grads = {k: as_local(p.grad).clone() for k, p in run.model.named_parameters()}
     params = {k: v.detach().clone() for k, v in full_weights(run.policy, run.model).items()}
     # how far the rollout engine's and pi_ref's copies are from the trained weights
     copies = {"engine": run.engine.model.state_dict(),

@@ -144,12 +144,13 @@ def test_moe_rollout_routing_is_recorded_for_replay(tmp_path, tiny_overrides):
     run = trainer.prepare(cfg, tmp_path / "r", resume=False)
     rows = trainer.step_prompts(run.train_rows, 0, cfg.rollout.prompts_per_step, 0)
     r = trainer.generate(run, rows, 0)
-    streamed = run.rollout_routing.indices("old")
-    run.routing.allocate("full", r.input_ids.shape[0], r.input_ids.shape[1] - 1)
+    streamed = run.routing.engine_recorder.indices("old")
+    recorder = run.routing.recorder  # on the training model
+    recorder.allocate("full", r.input_ids.shape[0], r.input_ids.shape[1] - 1)
     trainer.policy_logprobs(run.policy, r, 1.0, run.micro, 1024,
-                            route=lambda rows: run.routing.record(rows, store="full"))
+                            route=lambda rows: recorder.record(rows, store="full"))
     mask = r.attention_mask[:, :-1] > 0  # real tokens of the decoder input
-    for s, f in zip(streamed, run.routing.indices("full")):
+    for s, f in zip(streamed, recorder.indices("full")):
         agree = (s.sort(-1).values == f.sort(-1).values).all(-1)[mask].float().mean()
         assert agree > 0.99  # near-ties may flip under different kernels' rounding
     trainer.rl_step(run, 0)  # and the replayed update runs

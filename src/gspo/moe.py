@@ -183,3 +183,116 @@ def load_stats(indices: list[Tensor], mask: Tensor, num_experts: int) -> dict[st
     if not indices:
         return {}
     return load_summary(expert_counts(indices, mask, num_experts))
+
+
+class MoeRouting:
+    """Everything the trainer does with MoE routing in an RL step, behind four calls.
+
+        sampling / sampled   around the rollout: when Routing Replay takes pi_old from the
+                             engine (old_logprobs=rollout), record the experts the engine's own
+                             forwards chose while it sampled
+        recording            around pi_old's recompute: record the experts it chose
+        replaying            around each update forward (algorithm.routing_replay): force them
+        step_metrics         after the update: router load under pi_old and expert volatility,
+                             the same tokens routed again by the updated policy
+
+    `NoRouting` answers the same calls for a dense model and does nothing.
+    """
+
+    def __init__(self, model: nn.Module, replay: bool = False,
+                 engine_model: nn.Module | None = None):
+        self.recorder = RoutingRecorder(model)
+        self.replays = replay
+        # pi_old's routing recorded from the engine's forwards while it samples
+        self.engine_recorder = RoutingRecorder(engine_model) if engine_model is not None else None
+
+    def sampling(self, n_rows: int):
+        if self.engine_recorder is None:
+            return contextlib.nullcontext()
+        return self.engine_recorder.record_stream(n_rows)
+
+    def sampled(self, seq_len: int) -> None:
+        """After the rollout: the engine's routing, if recorded, becomes pi_old's."""
+        if self.engine_recorder is not None:
+            self.engine_recorder.finish_stream("old", seq_len)
+            self.recorder.stores["old"] = self.engine_recorder.stores["old"]
+
+    def recording(self, n_rows: int, seq_len: int):
+        """A `rows -> context manager` under which forwards over those rows record pi_old's
+        routing, for (n_rows, seq_len) decoder positions."""
+        self.recorder.allocate("old", n_rows, seq_len)
+        return self.recorder.record
+
+    def replaying(self, rows: Tensor):
+        if not self.replays:
+            return contextlib.nullcontext()
+        return self.recorder.replay(rows)
+
+    def step_metrics(self, forward, response_mask: Tensor, seq_len: int, d) -> dict[str, float]:
+        """`forward(route)` runs the updated policy over the step's rows under `route` (as
+        `recording` returns it); response_mask (B, T) marks the response tokens, which sit at
+        the end of the seq_len decoder positions. Over the ranks of `d`: volatility weighted by tokens,
+        the load from expert counts summed. Empty when pi_old's routing was not recorded
+        (old_logprobs=rollout without Routing Replay: no forward ran under pi_old)."""
+        from gspo.metrics import WeightedMean  # light; keeps moe importable on its own
+        if "old" not in self.recorder.stores:
+            return {}
+        n_rows = response_mask.shape[0]
+        self.recorder.allocate("new", n_rows, seq_len)
+        forward(lambda rows: self.recorder.record(rows, store="new"))
+        # position j of the decoder input predicts token j + 1: response tokens sit at the end
+        mask = torch.zeros(n_rows, seq_len, device=response_mask.device)
+        mask[:, -response_mask.shape[1]:] = response_mask
+        old, new = self.recorder.indices("old"), self.recorder.indices("new")
+        m = WeightedMean()
+        for k, v in expert_volatility(old, new, mask).items():
+            m.add(k, v, float(mask.sum()))
+        num_experts = self.recorder.routers[0][1].num_experts
+        counts = expert_counts(old, mask, num_experts)  # (layers, E)
+        counts = torch.tensor(d.sum(counts.flatten().tolist())).view(counts.shape)
+        stats = {**m.result(d), **load_summary(counts)}
+        del self.recorder.stores["old"], self.recorder.stores["new"]
+        return {f"moe/{k}": v for k, v in stats.items()}
+
+    def close(self) -> None:
+        self.recorder.close()
+        if self.engine_recorder is not None:
+            self.engine_recorder.close()
+
+
+class NoRouting:
+    """The routing of a dense model: nothing to record, replay or measure."""
+
+    replays = False
+
+    def sampling(self, n_rows: int):
+        return contextlib.nullcontext()
+
+    def sampled(self, seq_len: int) -> None:
+        pass
+
+    def recording(self, n_rows: int, seq_len: int):
+        return None
+
+    def replaying(self, rows: Tensor):
+        return contextlib.nullcontext()
+
+    def step_metrics(self, forward, response_mask, seq_len, d) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def routing_for(model: nn.Module, replay: bool, engine_model: nn.Module | None = None
+                ) -> MoeRouting | NoRouting:
+    """The routing handler of a training model: MoeRouting when it has top-k routers, else
+    NoRouting. replay: algorithm.routing_replay; engine_model: the rollout engine's model, when
+    pi_old's routing is to be recorded as it samples. Routing Replay on a dense model is a
+    ValueError."""
+    if not is_moe(model):
+        if replay:
+            raise ValueError("algorithm.routing_replay=true needs a Mixture-of-Experts model "
+                             "with top-k routers (e.g. model.name_or_path=tiny-qwen3-moe)")
+        return NoRouting()
+    return MoeRouting(model, replay, engine_model)

@@ -15,24 +15,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from gspo import metrics as M
 from gspo.logger import METRICS_FILE, read_metrics
 
-DEFAULT_KEYS: tuple[str, ...] = (
-    "reward/mean",
-    "eval/accuracy",
-    "clip/frac",
-    "kl/old",
-    "entropy",
-    "response/len_mean",
-)
-TITLES = {
-    "reward/mean": "reward (mean)",
-    "eval/accuracy": "held-out accuracy",
-    "clip/frac": "clip fraction",
-    "kl/old": "KL to pi_old",
-    "entropy": "entropy",
-    "response/len_mean": "response length (mean tokens)",
-}
+DEFAULT_KEYS: tuple[str, ...] = tuple(M.TITLES)
+TITLES = M.TITLES
 Series = dict[str, tuple[list[float], list[float]]]  # run label -> (steps, values)
 
 

@@ -28,6 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import transformers
@@ -49,7 +50,9 @@ from gspo.lora import (ADAPTER_DIR, LoraUnavailable, add_lora, is_lora, load_ada
 from gspo.engines import (RolloutEngine, Rollouts, SamplingParams, engine_class, left_pad,
                           make_engine, right_pad)
 from gspo.models import build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer, load_model
-from gspo.moe import RoutingRecorder, expert_counts, expert_volatility, is_moe, load_summary
+from gspo import metrics as M
+from gspo.metrics import WeightedMean
+from gspo.moe import MoeRouting, NoRouting, routing_for
 from gspo.objectives import (OBJECTIVES, engine_mismatch, group_advantages, kl_k3,
                              truncated_is_weights)
 from gspo.tasks import build_task
@@ -175,36 +178,14 @@ def policy_logprobs(policy, r: Rollouts, temperature: float, micro: int, chunk: 
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])  # (B, T) each
 
 
-def moe_metrics(policy, routing: RoutingRecorder, r: Rollouts, cfg: Config, micro: int,
-                d: Dist) -> dict[str, float]:
-    """Router load under pi_old and the expert volatility of this step's updates: the same
-    rollout tokens routed again by the updated policy, compared with pi_old's routing.
-    Over ranks: volatility weighted by tokens, the load from expert counts summed."""
-    n, seq_len = r.input_ids.shape[0], r.input_ids.shape[1] - 1
-    routing.allocate("new", n, seq_len)
-    policy_logprobs(policy, r, cfg.rollout.temperature, micro, cfg.model.logprob_chunk_size,
-                    route=lambda rows: routing.record(rows, store="new"))
-    # position j of the decoder input predicts token j + 1: response tokens sit at the end
-    mask = torch.zeros(n, seq_len, device=r.response_mask.device)
-    mask[:, -r.response_ids.shape[1]:] = r.response_mask
-    num_experts = routing.routers[0][1].num_experts
-    vol = expert_volatility(routing.indices("old"), routing.indices("new"), mask)
-    n = float(mask.sum())
-    tokens, *weighted = d.sum([n] + [n * v for v in vol.values()])
-    counts = expert_counts(routing.indices("old"), mask, num_experts)  # (layers, E)
-    counts = torch.tensor(d.sum(counts.flatten().tolist())).view(counts.shape)
-    stats = {**{k: w / tokens for k, w in zip(vol, weighted)}, **load_summary(counts)}
-    return {f"moe/{k}": v for k, v in stats.items()}
-
-
 def reduce_mismatch(m: dict[str, float], r: Rollouts, d: Dist) -> dict[str, float]:
     """engine_mismatch's means weighted over ranks (tokens, sequences), its maxes maxed."""
-    n_tok, n_seq = float(r.response_mask.sum()), float(r.response_mask.shape[0])
-    tok, seq, tok_sum, seq_sum = d.sum([n_tok, n_seq, n_tok * m["token_abs_mean"],
-                                        n_seq * m["seq_log_ratio_mean"]])
-    tok_max, seq_max = d.max([m["token_abs_max"], m["seq_log_ratio_abs_max"]])
-    return {"token_abs_mean": tok_sum / tok, "token_abs_max": tok_max,
-            "seq_log_ratio_mean": seq_sum / seq, "seq_log_ratio_abs_max": seq_max}
+    w = WeightedMean()
+    w.add("token_abs_mean", m["token_abs_mean"], float(r.response_mask.sum()))
+    w.add("seq_log_ratio_mean", m["seq_log_ratio_mean"], float(r.response_mask.shape[0]))
+    w.add_max("token_abs_max", m["token_abs_max"])
+    w.add_max("seq_log_ratio_abs_max", m["seq_log_ratio_abs_max"])
+    return w.result(d)
 
 
 def update(run: "Run", r: Rollouts, old_logp, ref_logp, adv) -> dict[str, float]:
@@ -221,13 +202,10 @@ def update(run: "Run", r: Rollouts, old_logp, ref_logp, adv) -> dict[str, float]
     kwargs = {"eps_low": a.eps_low, "eps_high": a.eps_high,
               **objective.options(a.aggregation, cfg.rollout.max_new_tokens)}
     token_mean = objective.normaliser(a.aggregation) == "tokens"
-    replay = run.routing if a.routing_replay else None
     B, T = r.response_ids.shape
     mb_size = B // a.minibatches
-    micro = a.micro_batch_size or mb_size
     mask = r.response_mask
-    sums: dict[str, float] = {}
-    lo, hi = float("inf"), float("-inf")
+    stats = WeightedMean()
     grad_norms, losses = [], []
     G = cfg.rollout.group_size
     if mb_size % G == 0:
@@ -243,13 +221,13 @@ def update(run: "Run", r: Rollouts, old_logp, ref_logp, adv) -> dict[str, float]
         denom = d.sum([float(mask[mb].sum())])[0] if token_mean else float(len(mb) * d.world)
         run.optimizer.zero_grad(set_to_none=True)
         mb_loss = 0.0
-        parts = mb.split(micro)
+        parts = mb.split(run.micro)
         for i, idx in enumerate(parts):
-            with (replay.replay(idx) if replay else contextlib.nullcontext(),
+            with (run.routing.replaying(idx),
                   no_sync(run.policy, skip=i < len(parts) - 1)):
                 logp = run.policy(r.input_ids[idx], r.attention_mask[idx], T,
                                   cfg.rollout.temperature, cfg.model.logprob_chunk_size,
-                                  share_prompts=replay is None)
+                                  share_prompts=not run.routing.replays)
                 loss, metrics = objective(logp, old_logp[idx], adv[idx], mask[idx],
                                           denom=denom, **kwargs)
                 if a.beta > 0:
@@ -258,28 +236,24 @@ def update(run: "Run", r: Rollouts, old_logp, ref_logp, adv) -> dict[str, float]
                 _check_loss(loss, metrics, d)
                 (loss * d.world).backward()
             mb_loss += float(loss.detach())
-            # token fractions are weighted by tokens, ratio_mean by what it averages over
-            w = float(mask[idx].sum())
-            lo, hi = min(lo, float(metrics.pop("ratio_min"))), max(hi, float(metrics.pop("ratio_max")))
-            n_ratio = float(metrics.pop("ratio_count"))
-            sums["ratio_mean"] = sums.get("ratio_mean", 0.0) + n_ratio * float(metrics.pop("ratio_mean"))
-            sums["_ratios"] = sums.get("_ratios", 0.0) + n_ratio
+            # ratio_mean is weighted by what it averages over, the token fractions by tokens
+            stats.add(M.RATIO_MEAN, metrics.pop("ratio_mean"), metrics.pop("ratio_count"))
+            stats.add_min(M.RATIO_MIN, metrics.pop("ratio_min"))
+            stats.add_max(M.RATIO_MAX, metrics.pop("ratio_max"))
+            n_tokens = float(mask[idx].sum())
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + w * float(v)
-            sums["_tokens"] = sums.get("_tokens", 0.0) + w
+                stats.add(M.OBJECTIVE.get(k, k), v, n_tokens)
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         grad_norms.append(float(as_local(torch.nn.utils.clip_grad_norm_(run.model.parameters(),
                                                                          clip))))
         run.optimizer.step()
         run.scheduler.step()
         losses.append(mb_loss)
-    keys = sorted(sums)
-    totals = dict(zip(keys, d.sum([sums[k] for k in keys])))
-    out = {k: totals[k] / totals["_tokens"] for k in keys if not k.startswith(("_", "ratio"))}
-    out["ratio_mean"] = totals["ratio_mean"] / totals["_ratios"]
-    out["ratio_min"], out["ratio_max"] = d.min_max(lo, hi)
-    out["loss"] = d.sum([sum(losses) / len(losses)])[0]  # the losses are global-normalised
-    out["grad_norm"] = sum(grad_norms) / len(grad_norms)  # after the all-reduce: the same on all
+    # the gradients are not needed until the next step: free them for the rollout and pi_old
+    run.optimizer.zero_grad(set_to_none=True)
+    stats.add_sum(M.LOSS, sum(losses) / len(losses))  # each loss is global-normalised
+    out = stats.result(d)
+    out[M.GRAD_NORM] = sum(grad_norms) / len(grad_norms)  # after the all-reduce: the same on all
     return out
 
 
@@ -307,31 +281,35 @@ def _peak_rss_mb() -> float:
 # the loop
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
-    """Everything one training run holds, built once by :func:`prepare`."""
+    """Everything one training run holds, built once by :func:`build_run`."""
     cfg: Config
     run_dir: Path
-    model: torch.nn.Module
-    tokenizer: object
+    dist: Dist                               # rank / world size (1 without torchrun)
+    model: torch.nn.Module                   # this rank's training model (sharded under FSDP2)
+    policy: torch.nn.Module                  # the model's log-prob forward: DDP / FSDP2 on >1 rank
+    tokenizer: transformers.PreTrainedTokenizerBase
     engine: RolloutEngine
     optimizer: torch.optim.Optimizer
-    scheduler: object
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     train_rows: list[dict]
     eval_rows: list[dict]
-    reward_fn: object
-    ref_policy: Policy | None               # pi_ref, unsharded, when algorithm.beta > 0
-    routing: RoutingRecorder | None          # on the training model (MoE only)
-    rollout_routing: RoutingRecorder | None  # on the engine's model, to replay its routing
+    reward_fn: Callable[..., float]
+    solution: Callable[[dict], str]          # a row's worked answer, for the warm-up
+    ref_policy: Policy | None                # pi_ref, unsharded, when algorithm.beta > 0
+    routing: MoeRouting | NoRouting          # record / replay / measure MoE routing
     gen: torch.Generator                     # minibatch shuffling
-    start_step: int
-    state: dict
-    warmup_s: float
-    micro: int
-    dist: Dist                               # rank / world size (1 without torchrun)
-    policy: torch.nn.Module                  # the model's log-prob forward: DDP / FSDP2 on >1 rank
+    micro: int                               # rows per forward (algorithm.micro_batch_size)
+    checkpoint: Path | None                  # the checkpoint resumed from
+    state: dict                              # its training state (step, accuracies, RNG)
+    warmup_s: float = 0.0
     reward_window: list = field(default_factory=list)  # (completions, failures) of recent steps
     constant_reward_steps: int = 0           # consecutive steps whose rewards were all equal
+
+    @property
+    def start_step(self) -> int:
+        return int(self.state.get("step", 0))
 
 
 def policy_weights(policy, model):
@@ -453,12 +431,12 @@ def run_dir_checkpoint(cfg: Config, run_dir: Path, resume: bool,
     return ckpt
 
 
-def prepare(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train_data=None,
-            eval_data=None) -> Run:
-    """Build task, model, engine and optimiser; restore a checkpoint or run the warm-up.
-    reward_fn, train_data, eval_data: Python objects in place of data.reward / data.path /
-    data.eval_path (see `train`)."""
-    t = cfg.train
+def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train_data=None,
+              eval_data=None) -> Run:
+    """Build task, model, engine and optimiser, and restore the checkpoint a resume starts
+    from; the warm-up is not run here (see `warm_up`). reward_fn, train_data, eval_data: Python
+    objects in place of data.reward / data.path / data.eval_path (see `train`)."""
+    t, a = cfg.train, cfg.algorithm
     require_trackers(t.report_to)  # a missing package fails now, not after the warm-up
     d = init_distributed(t.device, t.dist_timeout_s)
     check_launch(cfg, d.world)  # before anything is loaded; the warm-up batch once rows are
@@ -485,69 +463,106 @@ def prepare(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train_d
     # copies while the weights are whole (FSDP2 shards them in place); refreshed after warm-up
     # LoRA: the engine holds a plain copy, refreshed with the merged weights
     engine = build_engine(model, tokenizer, cfg, own_copy=mode == "fsdp" or lora)
-    try:
-        run = _prepare_rest(cfg, run_dir, d, mode, model, tokenizer, engine, ckpt, state,
-                            train_rows, eval_rows, reward_fn, solution)
-        if d.is_main:  # only now: a resume that fails to start leaves the run's config as it was
-            save_config(cfg, run_dir / "config.yaml")
-        return run
+    try:  # from here on a failure closes the engine (a vLLM engine holds process-wide state)
+        ref_policy = Policy(copy.deepcopy(model).eval()) if a.beta > 0 else None
+        if lora:  # after pi_ref's copy: the reference is the plain base model
+            model = with_lora(model, cfg, engine, ckpt)
+        if ref_policy is not None and ckpt is not None:
+            ref_policy.model.load_state_dict(reference_weights(ckpt, a.beta))
+        policy = wrap_policy(model, d, mode)
+        try:
+            routing = routing_for(model, a.routing_replay, engine.model if (
+                a.routing_replay and a.old_logprobs == "rollout") else None)
+        except ValueError as e:
+            raise TrainingError(f"{e}; {cfg.model.name_or_path} has none") from None
+        gen = torch.Generator().manual_seed(t.seed)
+        if "update_rng" in state:
+            gen.set_state(state["update_rng"])
+        optimizer, scheduler = build_optimizer(model, cfg.optim.lr, cfg)
+        if ckpt is not None:
+            optimizer_state, scheduler_state = read_training_state(ckpt)
+            load_optimizer_state(policy, optimizer, optimizer_state)
+            scheduler.load_state_dict(scheduler_state)
+        rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size // d.world  # this rank's
+        return Run(cfg=cfg, run_dir=run_dir, dist=d, model=model, policy=policy,
+                   tokenizer=tokenizer, engine=engine, optimizer=optimizer, scheduler=scheduler,
+                   train_rows=train_rows, eval_rows=eval_rows, reward_fn=reward_fn,
+                   solution=solution, ref_policy=ref_policy, routing=routing, gen=gen,
+                   micro=a.micro_batch_size or rows // a.minibatches, checkpoint=ckpt,
+                   state=state)
     except BaseException:
-        engine.close()  # a vLLM engine holds process-wide state
+        engine.close()
         raise
 
 
-def _prepare_rest(cfg, run_dir, d, mode, model, tokenizer, engine, ckpt, state, train_rows,
-                  eval_rows, reward_fn, solution) -> Run:
-    t, a = cfg.train, cfg.algorithm
-    warmup_s = 0.0
-    ref_policy = Policy(copy.deepcopy(model).eval()) if a.beta > 0 else None
-    if cfg.model.lora_rank:  # after pi_ref's copy: the reference is the plain base model
-        m = cfg.model
-        try:
-            model = add_lora(model, m.lora_rank, m.lora_alpha, m.lora_dropout,
-                             m.lora_target_modules)
-            if ckpt is not None:
-                load_adapter(model, ckpt / ADAPTER_DIR)
-                engine.load_weights(merged_weights(model))  # it was built from the base alone
-        except (LoraUnavailable, ValueError) as e:
-            raise TrainingError(str(e)) from None
-    policy = wrap_policy(model, d, mode)
-    if ckpt is None and cfg.warmup.steps > 0:
-        t0 = time.perf_counter()
-        loss = warmup(policy, model, tokenizer, train_rows, solution, cfg, d)
-        warmup_s = time.perf_counter() - t0
-        log.info("warm-up: %d steps, final loss %.4f, %.1fs", cfg.warmup.steps, loss, warmup_s)
-        engine.load_weights(policy_weights(policy, model))
-        if ref_policy is not None:  # pi_ref: the policy RL starts from
-            copy_weights_(ref_policy.model, policy_weights(policy, model))
-    if ref_policy is not None and ckpt is not None:
-        reference = read_reference(ckpt)
-        if reference is None:
-            raise TrainingError(f"algorithm.beta={a.beta} needs pi_ref, but {ckpt} holds no "
-                                f"reference.pt (saved without a KL penalty); resume with "
-                                f"algorithm.beta=0 or start a new run")
-        ref_policy.model.load_state_dict(reference)
-    routing = RoutingRecorder(model) if is_moe(model) else None
-    if a.routing_replay and routing is None:
-        raise TrainingError(f"algorithm.routing_replay=true needs a Mixture-of-Experts model "
-                            f"with top-k routers (e.g. model.name_or_path=tiny-qwen3-moe); "
-                            f"{cfg.model.name_or_path} has none")
-    rollout_routing = None
-    if a.routing_replay and a.old_logprobs == "rollout":
-        rollout_routing = RoutingRecorder(engine.model)
-    gen = torch.Generator().manual_seed(t.seed)
-    if "update_rng" in state:
-        gen.set_state(state["update_rng"])
-    optimizer, scheduler = build_optimizer(model, cfg.optim.lr, cfg)
-    if ckpt is not None:
-        optimizer_state, scheduler_state = read_training_state(ckpt)
-        load_optimizer_state(policy, optimizer, optimizer_state)
-        scheduler.load_state_dict(scheduler_state)
-    B = cfg.rollout.prompts_per_step * cfg.rollout.group_size // d.world  # this rank's rows
-    return Run(cfg, run_dir, model, tokenizer, engine, optimizer, scheduler, train_rows,
-               eval_rows, reward_fn, ref_policy, routing, rollout_routing, gen,
-               int(state.get("step", 0)), state, warmup_s, a.micro_batch_size or B // a.minibatches,
-               d, policy)
+def with_lora(model, cfg: Config, engine: RolloutEngine, ckpt: Path | None):
+    """The model with LoRA adapters (peft), restored from `ckpt` on a resume."""
+    m = cfg.model
+    try:
+        model = add_lora(model, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_target_modules)
+        if ckpt is not None:
+            load_adapter(model, ckpt / ADAPTER_DIR)
+            engine.load_weights(merged_weights(model))  # it was built from the base alone
+    except (LoraUnavailable, ValueError) as e:
+        raise TrainingError(str(e)) from None
+    return model
+
+
+def reference_weights(ckpt: Path, beta: float) -> dict:
+    """pi_ref's weights as `ckpt` saved them (a KL penalty's reference)."""
+    reference = read_reference(ckpt)
+    if reference is None:
+        raise TrainingError(f"algorithm.beta={beta} needs pi_ref, but {ckpt} holds no "
+                            f"reference.pt (saved without a KL penalty); resume with "
+                            f"algorithm.beta=0 or start a new run")
+    return reference
+
+
+def run_warmup(run: Run) -> None:
+    """The supervised warm-up of a new run (none when resuming or warmup.steps=0); then the
+    rollout engine and pi_ref take its weights: RL starts from the warmed-up policy."""
+    cfg = run.cfg
+    if run.checkpoint is not None or cfg.warmup.steps <= 0:
+        return
+    t0 = time.perf_counter()
+    loss = warmup(run.policy, run.model, run.tokenizer, run.train_rows, run.solution, cfg,
+                  run.dist)
+    run.warmup_s = time.perf_counter() - t0
+    log.info("warm-up: %d steps, final loss %.4f, %.1fs", cfg.warmup.steps, loss, run.warmup_s)
+    run.engine.load_weights(policy_weights(run.policy, run.model))
+    if run.ref_policy is not None:
+        copy_weights_(run.ref_policy.model, policy_weights(run.policy, run.model))
+
+
+def save_run_config(run: Run) -> None:
+    """config.yaml, written only once the run has started: a resume that fails to start leaves
+    the run's config as it was."""
+    if run.dist.is_main:
+        save_config(run.cfg, run.run_dir / "config.yaml")
+
+
+def prepare(cfg: Config, run_dir: Path, resume: bool, **objects) -> Run:
+    """A run ready for its first RL step: `build_run`, the warm-up and the saved config (what
+    `train` does before its loop; benchmarks and tests then call `rl_step` themselves).
+    objects: reward_fn, train_data, eval_data as for `train`."""
+    run = build_run(cfg, run_dir, resume, **objects)
+    try:
+        run_warmup(run)
+        save_run_config(run)
+    except BaseException:
+        close_run(run)
+        raise
+    return run
+
+
+def close_run(run: Run) -> None:
+    """Release what the run holds outside Python's reach: the engine (vLLM's process-wide
+    state), the reward's resources and the routing hooks."""
+    run.engine.close()
+    run.routing.close()
+    for fn in run.reward_fn if isinstance(run.reward_fn, (list, tuple)) else [run.reward_fn]:
+        if callable(getattr(fn, "close", None)):  # TODO(merge): gspo.rewards.close_reward
+            fn.close()
 
 
 def data_parallel_mode(cfg: Config, d: Dist) -> str:
@@ -572,25 +587,23 @@ def run_eval(run: Run) -> dict[str, float]:
                    SamplingParams(t.eval_temperature, r.top_p, r.max_new_tokens),
                    seed=t.seed + 999_983 + d.rank, system_prompt=run.cfg.data.system_prompt or None,
                    reward_timeout_s=run.cfg.data.reward_fn_timeout or None)
-    ks = sorted(res.pass_at)
-    n = len(rows)
-    totals = d.sum([n, res.avg_at_k * n] + [res.pass_at[k] * n for k in ks])
-    return {"eval/accuracy": totals[1] / totals[0],
-            **{f"eval/pass@{k}": v / totals[0] for k, v in zip(ks, totals[2:])}}
+    m = WeightedMean()  # means over problems
+    m.add(M.EVAL_ACCURACY, res.avg_at_k, len(rows))
+    for k, v in sorted(res.pass_at.items()):
+        m.add(M.eval_pass_at(k), v, len(rows))
+    return m.result(d)
 
 
 def generate(run: Run, rows: list[dict], step: int) -> Rollouts:
-    """Sample G responses per prompt; records the engine's MoE routing when it will be replayed."""
+    """Sample G responses per prompt (recording the engine's MoE routing when pi_old's is
+    taken from it)."""
     r = run.cfg.rollout
     prompts = encode_prompts(run.tokenizer, rows, run.cfg.data.system_prompt or None)
     params = SamplingParams(r.temperature, r.top_p, r.max_new_tokens)
     seed = run.cfg.train.seed * 7_919 + step + 1_000_003 * run.dist.rank
-    if run.rollout_routing is None:
+    with run.routing.sampling(len(prompts) * r.group_size):
         rollouts = run.engine.generate(prompts, n=r.group_size, params=params, seed=seed)
-    else:
-        with run.rollout_routing.record_stream(len(prompts) * r.group_size):
-            rollouts = run.engine.generate(prompts, n=r.group_size, params=params, seed=seed)
-        run.rollout_routing.finish_stream("old", rollouts.input_ids.shape[1] - 1)
+    run.routing.sampled(rollouts.input_ids.shape[1] - 1)
     return rollouts.to(run.dist.device)  # an engine may hand back host tensors (vLLM)
 
 
@@ -606,17 +619,15 @@ def old_policy(run: Run, r: Rollouts, step: int) -> tuple[torch.Tensor, torch.Te
     use_rollout = a.old_logprobs == "rollout"
     monitor = use_rollout and a.mismatch_every > 0 and step % a.mismatch_every == 0
     metrics = {}
-    if use_rollout and run.rollout_routing is not None:
-        run.routing.stores["old"] = run.rollout_routing.stores["old"]
     if not use_rollout or monitor:
-        record = run.routing is not None and not use_rollout
-        if record:
-            run.routing.allocate("old", r.input_ids.shape[0], r.input_ids.shape[1] - 1)
+        # pi_old's MoE routing: recorded here, or (rollout) while the engine sampled
+        B, L = r.input_ids.shape
+        route = None if use_rollout else run.routing.recording(B, L - 1)
         train_logp, entropy = policy_logprobs(run.policy, r, temp, run.micro, chunk, True,
-                                              route=run.routing.record if record else None)
+                                              route=route)
         mismatch = engine_mismatch(train_logp, r.logp, r.response_mask)
         mismatch = reduce_mismatch({k: float(v) for k, v in mismatch.items()}, r, run.dist)
-        metrics = {f"mismatch/{k}": v for k, v in mismatch.items()}
+        metrics = {M.MISMATCH + k: v for k, v in mismatch.items()}
     if use_rollout:
         return r.logp, -r.logp, metrics
     return train_logp, entropy, metrics
@@ -693,28 +704,27 @@ def rl_step(run: Run, step: int, stop: StopRequest | None = None) -> dict[str, f
     m = update(run, rollouts, old_logp, ref_logp, adv)
     run.engine.load_weights(policy_weights(run.policy, run.model))
     t_update = time.perf_counter() - t2
-    if run.routing:
-        m.update(moe_metrics(run.policy, run.routing, rollouts, cfg, run.micro, run.dist))
-    # ---- metrics (sums over ranks, then divided)
+    m.update(run.routing.step_metrics(
+        lambda route: policy_logprobs(run.policy, rollouts, cfg.rollout.temperature, run.micro,
+                                      cfg.model.logprob_chunk_size, route=route),
+        rollouts.response_mask, rollouts.input_ids.shape[1] - 1, run.dist))
+    # ---- metrics (over this step's completions and tokens on every rank)
     mask = rollouts.response_mask
-    r_sum, r_sq, n_tokens, ent = run.dist.sum([
-        float(rewards.sum()), float((rewards ** 2).sum()), float(mask.sum()),
-        float((entropy * mask).sum())])
-    r_mean = r_sum / n
-    r_std = math.sqrt(max(0.0, (r_sq - n * r_mean ** 2) / max(1.0, n - 1)))  # unbiased
-    warn_constant_reward(run, r_std, step)
-    return {
-        "reward/mean": r_mean, "reward/std": r_std, "reward/failures": int(failures),
-        "loss": m["loss"], "clip/frac": m["clip_frac"], "clip/frac_low": m["clip_frac_low"],
-        "clip/frac_high": m["clip_frac_high"], "ratio/mean": m["ratio_mean"],
-        "ratio/min": m["ratio_min"], "ratio/max": m["ratio_max"], "kl/old": m["kl_old"],
-        "entropy": ent / n_tokens, "grad_norm": m["grad_norm"],
-        "lr": run.scheduler.get_last_lr()[0],
-        "response/len_mean": n_tokens / n,
-        "time/rollout_s": t_rollout, "time/old_logp_s": t_old, "time/update_s": t_update,
-        "throughput/tokens_per_s": n_tokens / (time.perf_counter() - t0),
-        **mismatch, **{k: v for k, v in m.items() if k.startswith("moe/")},
-    }
+    totals = WeightedMean()
+    totals.add_total(M.REWARD_MEAN, rewards.sum(), len(rewards))
+    totals.add_total(M.ENTROPY, (entropy * mask).sum(), mask.sum())
+    totals.add_total(M.RESPONSE_LEN, mask.sum(), len(rewards))
+    totals.add_sum("squares", (rewards ** 2).sum())
+    totals.add_sum("tokens", mask.sum())
+    row = totals.result(run.dist)
+    r_mean, r_sq, n_tokens = row[M.REWARD_MEAN], row.pop("squares"), row.pop("tokens")
+    row[M.REWARD_STD] = math.sqrt(max(0.0, (r_sq - n * r_mean ** 2) / max(1.0, n - 1)))
+    warn_constant_reward(run, row[M.REWARD_STD], step)
+    row.update(m, **mismatch)
+    row.update({M.REWARD_FAILURES: int(failures), M.LR: run.scheduler.get_last_lr()[0],
+                M.TIME_ROLLOUT: t_rollout, M.TIME_OLD_LOGP: t_old, M.TIME_UPDATE: t_update,
+                M.TOKENS_PER_S: n_tokens / (time.perf_counter() - t0)})
+    return M.in_row_order(row)
 
 
 def train(cfg: Config, run_dir: str | Path, resume: bool = False, *, reward_fn=None,
@@ -740,16 +750,21 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, *, reward_fn=N
     resume=True) with the same objects again (`gspo train --resume` has only the config).
     """
     with exclusive(run_dir, enabled=int(os.environ.get("RANK", "0")) == 0), StopRequest() as stop:
-        run = prepare(cfg, Path(run_dir), resume, reward_fn=reward_fn, train_data=train_data,
-                      eval_data=eval_data)
+        # ---- build the run: task, model, engine, optimiser; a resume's checkpoint restored
+        run = build_run(cfg, Path(run_dir), resume, reward_fn=reward_fn, train_data=train_data,
+                        eval_data=eval_data)
         try:
+            # ---- supervised warm-up (a new run)
+            run_warmup(run)
+            save_run_config(run)
+            # ---- RL steps
             with MetricsLogger(run.run_dir, enabled=run.dist.is_main,
                                resume_from_step=run.start_step if resume else None,
                                report_to=cfg.train.report_to, config=to_dict(cfg),
                                project=cfg.train.project) as logger:
-                return _train(run, cfg, resume, logger, stop)
+                return rl_loop(run, resume, logger, stop)
         finally:
-            run.engine.close()
+            close_run(run)
 
 
 def save(run: Run, done: int, start_acc, final_acc) -> int:
@@ -784,13 +799,16 @@ def _halt(run: Run, stop: StopRequest, done: int, saved: int | None, start_acc,
                       f"continue with: gspo train --resume {run.run_dir}", signum)
 
 
-def _train(run: Run, cfg: Config, resume: bool, logger: MetricsLogger,
-           stop: StopRequest | None = None) -> Summary:
+def rl_loop(run: Run, resume: bool, logger: MetricsLogger,
+            stop: StopRequest | None = None) -> Summary:
+    """train.steps RL steps from run.start_step: held-out evaluation, metrics rows, checkpoints,
+    and a checkpoint and stop on a signal."""
+    cfg = run.cfg
     t = cfg.train
     start_acc = run.state.get("start_accuracy")
     if not resume and t.eval_every > 0:
         first = run_eval(run)
-        start_acc = first["eval/accuracy"]
+        start_acc = first[M.EVAL_ACCURACY]
         logger.log(0, first)
     final_acc = run.state.get("final_accuracy", start_acc)
     rl_t0 = time.perf_counter()
@@ -804,10 +822,10 @@ def _train(run: Run, cfg: Config, resume: bool, logger: MetricsLogger,
         done = step + 1
         if t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps):
             row.update(run_eval(run))
-            final_acc = row["eval/accuracy"]
+            final_acc = row[M.EVAL_ACCURACY]
         logger.log(done, row)
         if hasattr(bar, "set_postfix"):
-            bar.set_postfix(reward=f"{row['reward/mean']:.2f}",
+            bar.set_postfix(reward=f"{row[M.REWARD_MEAN]:.2f}",
                             acc="-" if final_acc is None else f"{final_acc:.2f}")
         if (t.save_every > 0 and done % t.save_every == 0) or done == t.steps:
             saved = save(run, done, start_acc, final_acc)
