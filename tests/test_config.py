@@ -46,7 +46,7 @@ def test_saved_config_loads_back_identically(tmp_path):
     ("optim.lr=fast", "optim.lr: expected float"),
     ("train.steps=1.5", "train.steps: expected int"),
     ("algorithm.minibatches=5", "not divisible by algorithm.minibatches"),
-    ("algorithm=ppo", "algorithm.name 'ppo' is unknown"),
+    ("algorithm=ppo", r"algorithm.name must be one of gspo \| gspo_token \| grpo, got 'ppo'"),
     ("algorithm.eps_low=-0.1", "algorithm.eps_low must be >= 0"),
     ("rollout.top_p=0", "rollout.top_p"),
     ("model=3", "is a section"),
@@ -83,15 +83,16 @@ def test_rollout_engine_names_come_from_the_engine_registry(monkeypatch):
     from gspo.engines import ENGINES, HFEngine
     monkeypatch.setitem(ENGINES, "toy", HFEngine)  # what adding an engine file amounts to
     assert load_config(overrides=["rollout.engine=toy"]).rollout.engine == "toy"
-    with pytest.raises(ConfigError, match="rollout.engine 'sglang' is unknown; available: hf, "
-                                          "toy, vllm"):
+    with pytest.raises(ConfigError, match=r"rollout.engine must be one of hf \| toy \| vllm, "
+                                          r"got 'sglang'"):
         load_config(overrides=["rollout.engine=sglang"])
 
 
 @pytest.mark.parametrize("override, message", [
     ("optim.betas=[0.9,2]", r"optim.betas must be two numbers in \[0, 1\)"),
     ("optim.betas=[0.9]", r"optim.betas must be two numbers"),
-    ("rollout.group_size=1", r"rollout.group_size=1: group advantages need at least 2"),
+    ("rollout.group_size=1", r"rollout.group_size must be >= 2, got 1 \(group advantages need "
+                             r"at least 2"),
 ])
 def test_settings_that_cannot_train_are_config_errors(override, message):
     from gspo.config import ConfigError, load_config
@@ -115,9 +116,9 @@ def test_deprecated_tensorboard_flag_is_folded_into_report_to(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.report_to=[neptune]", "train.report_to: unknown tracker 'neptune'; choose from "
-                                  "tensorboard, wandb, trackio, mlflow"),
-    ("train.report_to=[[wandb]]", "unknown tracker \\['wandb'\\]"),
+    ("train.report_to=[neptune]", r"train.report_to must be one of tensorboard \| wandb \| "
+                                  r"trackio \| mlflow, got 'neptune'"),
+    ("train.report_to=[[wandb]]", r"train.report_to must be one of .*, got \['wandb'\]"),
     ("train.project=''", "train.project must name"),
 ])
 def test_bad_trackers_are_config_errors(override, message):
