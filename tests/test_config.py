@@ -1,6 +1,11 @@
+import dataclasses
+import subprocess
+import sys
+
 import pytest
 
-from gspo.config import Config, ConfigError, help_text, load_config, save_config
+from gspo.config import (Config, ConfigError, allowed, check_value, help_text, load_config,
+                         save_config)
 
 
 def test_defaults_resolve_the_gspo_preset():
@@ -124,3 +129,35 @@ def test_deprecated_tensorboard_flag_is_folded_into_report_to(tmp_path):
 def test_bad_trackers_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=[override])
+
+
+# ---- the choices and bounds fields declare: one check, one message, shown by --help
+
+
+def _declared() -> list[tuple[str, dataclasses.Field]]:
+    """(section.field, field) of every config field that declares choices or bounds."""
+    return [(f"{section.name}.{f.name}", f) for section in dataclasses.fields(Config)
+            for f in dataclasses.fields(section.default_factory()) if allowed(f.metadata)]
+
+
+def _default(f: dataclasses.Field):
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def test_help_shows_what_each_declared_field_allows_after_its_help():
+    text = help_text()
+    for key, f in _declared():  # every field with choices or bounds, whatever is added later
+        entry = f"{key}={_default(f)!r}\n        {f.metadata['help']}"
+        assert f"{entry}  [{allowed(f.metadata)}]" in text, key
+    with_choices = {key for key, f in _declared() if f.metadata["choices"] is not None}
+    assert {"model.dtype", "rollout.dtype", "data.task", "train.report_to"} <= with_choices
+    assert "precision the rollout engine samples in; training keeps model.dtype  [float32 | " \
+           "bfloat16 | float16]" in text
+    assert "nucleus sampling threshold  [in (0, 1]]" in text
+    assert "maximum response length in tokens  [> 0]" in text
+
+
+def test_config_imports_and_prints_help_without_torch():
+    code = "import sys, gspo.config as c; c.help_text(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr

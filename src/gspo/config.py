@@ -516,11 +516,13 @@ def save_config(cfg: Config, path: Path) -> None:
 
 
 def help_text() -> str:
-    """Every field with its type, default and help, grouped by section."""
+    """Every field with its default, help and what it allows, grouped by section."""
     lines = []
     for section in dataclasses.fields(Config):
         lines.append(f"  {section.name}:")
         for f in dataclasses.fields(section.default_factory()):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"    {section.name}.{f.name}={default!r}\n        {f.metadata['help']}")
+            values = allowed(f.metadata)
+            lines.append(f"    {section.name}.{f.name}={default!r}\n        {f.metadata['help']}"
+                         + (f"  [{values}]" if values else ""))
     return "\n".join(lines)
