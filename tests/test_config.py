@@ -1,11 +1,15 @@
 import dataclasses
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from gspo.config import (Config, ConfigError, allowed, check_value, help_text, load_config,
                          save_config)
+
+MATH_ROWS = str(Path(__file__).resolve().parents[1] / "examples" / "data" / "math_mini.jsonl")
 
 
 def test_defaults_resolve_the_gspo_preset():
@@ -142,6 +146,89 @@ def _declared() -> list[tuple[str, dataclasses.Field]]:
 
 def _default(f: dataclasses.Field):
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def _outside(f: dataclasses.Field) -> list:
+    """The values nearest a field's declaration that break it: a name not among its choices (as
+    an entry, for a list field), the bound itself at an open end, one past it at a closed end."""
+    m = f.metadata
+    if m["choices"] is not None:
+        return [["no-such-name"] if isinstance(_default(f), list) else "no-such-name"]
+    return [m[op] + step for op, step in (("gt", 0), ("ge", -1), ("lt", 0), ("le", 1))
+            if m[op] is not None]
+
+
+def _closed_ends(f: dataclasses.Field) -> list:
+    return [f.metadata[op] for op in ("ge", "le") if f.metadata[op] is not None]
+
+
+# overrides that turn on a `when` field's check where the defaults leave it off
+ENABLE = {"model.lora_alpha": ["model.lora_rank=8"], "model.lora_dropout": ["model.lora_rank=8"]}
+
+OUTSIDE = [(key, bad) for key, f in _declared() for bad in _outside(f)]
+CLOSED = [(key, edge) for key, f in _declared() for edge in _closed_ends(f)]
+
+
+@pytest.mark.parametrize("key, bad", OUTSIDE, ids=[f"{k}={b!r}" for k, b in OUTSIDE])
+def test_a_value_outside_a_declared_field_is_one_line_naming_the_field(key, bad):
+    meta = dict(_declared())[key].metadata
+    section = key.split(".")[0]
+    when = meta["when"]
+    cfg = load_config(overrides=ENABLE.get(key, []))
+    assert when is None or when(getattr(cfg, section)), f"add to ENABLE what turns on {key}'s check"
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=ENABLE.get(key, []) + [f"{key}={json.dumps(bad)}"])
+    message = str(e.value)
+    assert message.startswith(f"{key} must be ") and allowed(meta) in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("key, edge", CLOSED, ids=[f"{k}={e!r}" for k, e in CLOSED])
+def test_the_closed_end_of_a_bound_is_allowed(key, edge):
+    cfg = load_config(overrides=ENABLE.get(key, []) + [f"{key}={edge}"])
+    section, name = key.split(".")
+    assert getattr(getattr(cfg, section), name) == edge
+
+
+def test_the_defaults_pass_every_declaration():
+    load_config()
+    load_config(overrides=[o for extra in ENABLE.values() for o in extra])
+    for key, f in _declared():  # also where `when` leaves a default unchecked
+        check_value(key, _default(f), f.metadata)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1], got 1.5"),
+    ("rollout.dtype=fp8", "rollout.dtype must be one of float32 | bfloat16 | float16, got 'fp8'"),
+    ("algorithm.minibatches=0", "algorithm.minibatches must be > 0, got 0"),
+    ("train.keep_last=-1", "train.keep_last must be >= 0, got -1"),
+    ("data.max_reward_failures=1.5", "data.max_reward_failures must be in [0, 1], got 1.5"),
+    ("optim.lr=.nan", "optim.lr must be > 0, got nan"),  # NaN fails every bound
+    ("data.format_weight=1", "data.format_weight must be in [0, 1), got 1.0 (so that a "
+                             "well-formed wrong answer never counts as solved)"),
+    ("train.report_to=[wandb, neptune]", "train.report_to must be one of tensorboard | wandb | "
+                                         "trackio | mlflow, got 'neptune'"),
+])
+def test_a_bad_value_names_the_field_what_it_allows_and_the_value(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[override])
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model.lora_alpha=0", "model.lora_dropout=1.5"],  # LoRA off: its settings are unused
+    ["data.task=math", f"data.path={MATH_ROWS}", f"data.eval_path={MATH_ROWS}", "data.n_eval=0",
+     "data.digits=0", "data.n_train=0"],  # nothing is generated or held out
+])
+def test_a_field_is_checked_only_where_its_when_holds(overrides):
+    load_config(overrides=overrides)
+
+
+def test_registry_choices_are_read_when_checked(monkeypatch):
+    from gspo.trackers import TRACKERS
+    monkeypatch.setitem(TRACKERS, "toy", TRACKERS["wandb"])  # what adding a tracker amounts to
+    assert load_config(overrides=["train.report_to=toy"]).train.report_to == ["toy"]
+    assert "[tensorboard | wandb | trackio | mlflow | toy]" in help_text()
 
 
 def test_help_shows_what_each_declared_field_allows_after_its_help():
