@@ -1,8 +1,10 @@
 """Typed run configuration: nested dataclasses, YAML files and dotted CLI overrides.
 
-Every field carries its help text (``gspo train --help`` prints them all). A config is
-validated once, at start-up, by :func:`resolve`; any problem raises :class:`ConfigError` with one
-line naming the field and the fix, which the CLI prints before exiting with status 2.
+Every field carries its help text and declares what it allows (choices, bounds), which
+``gspo train --help`` prints after the help. A config is validated once, at start-up, by
+:func:`resolve`: one pass over the declarations, then the rules relating fields to each other;
+any problem raises :class:`ConfigError` with one line naming the field and the fix, which the CLI
+prints before exiting with status 2.
 """
 
 from __future__ import annotations
