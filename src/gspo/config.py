@@ -43,6 +43,8 @@ def _f(default: Any, help: str, *, choices: tuple | Callable[[], Any] | None = N
 
 
 def _task_names() -> tuple[str, ...]:
+    """data.task's names (and the built-in rewards'): a callable, so a task registry can supply
+    them without touching the field."""
     return ("arithmetic", "math", "code")
 
 
@@ -389,17 +391,16 @@ def check_value(key: str, value: Any, meta: Mapping[str, Any]) -> None:
     choices (each entry, for a list) and within its bounds. None (left to a preset) passes."""
     if value is None:
         return
-    choices = meta.get("choices")
-    if choices is not None:
-        names = _names(choices)
+    if meta.get("choices") is not None:
+        names = _names(meta["choices"])
         bad = [v for v in (value if isinstance(value, list) else [value]) if v not in names]
         if not bad:
             return
         value, what = bad[0], "one of " + allowed(meta)
-    elif all(test(value, meta[op]) for op, (test, _) in _BOUNDS.items()
-             if meta.get(op) is not None):  # written so that NaN fails every bound
-        return
     else:
+        bounds = [(test, meta[op]) for op, (test, _) in _BOUNDS.items() if meta.get(op) is not None]
+        if all(test(value, bound) for test, bound in bounds):  # NaN fails: every test is False
+            return
         what = allowed(meta)
     why = f" ({meta['why']})" if meta.get("why") else ""
     raise ConfigError(f"{key} must be {what}, got {value!r}{why}")
