@@ -71,7 +71,7 @@ def write(path: Path, content: bytes | str) -> Path:
     ("optim.betas=[0.9,2]", "optim.betas"),
     ("algorithm=ppo", "ppo"),
     ("rollout.engine=sglang", "rollout.engine"),
-    ("data.on_bad_row=ignore", "choose fail or skip"),
+    ("data.on_bad_row=ignore", "data.on_bad_row must be one of fail | skip"),
     ("data.reward=my_reward", "'module:function'"),
     ("train.device=tpu", "not a device"),
 ])

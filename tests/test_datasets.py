@@ -158,9 +158,9 @@ def test_warm_up_without_solutions_says_to_set_warmup_steps_0():
     (["data.task=math", "data.path=my data.jsonl"], "neither an existing file or directory nor "
                                                     "a hub dataset id like openai/gsm8k"),
     (["data.path=examples/data/math_mini.jsonl"], "data.task is 'arithmetic'"),
-    (["data.task=poetry"], "available: arithmetic, math, code"),
+    (["data.task=poetry"], "data.task must be one of arithmetic | math | code, got 'poetry'"),
     (["data.format_weight=1.0"], "data.format_weight must be in [0, 1)"),
-    (["data.on_bad_row=ignore"], "choose fail or skip"),
+    (["data.on_bad_row=ignore"], "data.on_bad_row must be one of fail | skip, got 'ignore'"),
     (["data.reward=my_reward"], "'module:function'"),
     (["data.prompt_template=no placeholder"], "must contain {prompt}"),
 ])

@@ -126,7 +126,8 @@ def test_tis_in_train_changes_the_update_only_through_the_weights(tmp_path, tiny
 @pytest.mark.parametrize("overrides, words", [
     (["algorithm.tis=token"], "gspo has one advantage per sequence"),
     (["algorithm.tis=sequence", "algorithm.old_logprobs=rollout"], "needs algorithm.old_logprobs"),
-    (["algorithm.old_logprobs=cache"], "old_logprobs 'cache' is unknown"),
+    (["algorithm.old_logprobs=cache"], r"algorithm.old_logprobs must be one of recompute \| "
+                                       r"rollout, got 'cache'"),
     (["rollout.dtype=int8"], "rollout.dtype"),
 ])
 def test_bad_engine_settings_are_config_errors(overrides, words):

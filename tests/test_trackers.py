@@ -293,5 +293,5 @@ def test_a_missing_tracker_package_is_one_line_before_any_training(name, tmp_pat
 def test_an_unknown_tracker_is_one_line_naming_the_choices(tmp_path, capsys):
     assert main(["train", "--output-dir", str(tmp_path / "run"),
                  "train.report_to=[wandb, neptune]"]) == 2
-    assert capsys.readouterr().err == ("gspo: error: train.report_to: unknown tracker 'neptune'; "
-                                       "choose from tensorboard, wandb, trackio, mlflow\n")
+    assert capsys.readouterr().err == ("gspo: error: train.report_to must be one of tensorboard "
+                                       "| wandb | trackio | mlflow, got 'neptune'\n")

@@ -1,18 +1,21 @@
 """Typed run configuration: nested dataclasses, YAML files and dotted CLI overrides.
 
-Every field carries its help text (``gspo train --help`` prints them all). A config is
-validated once, at start-up, by :func:`resolve`; any problem raises :class:`ConfigError` with one
-line naming the field and the fix, which the CLI prints before exiting with status 2.
+Every field carries its help text and declares what it allows (choices, bounds), which
+``gspo train --help`` prints after the help. A config is validated once, at start-up, by
+:func:`resolve`: one pass over the declarations, then the rules relating fields to each other;
+any problem raises :class:`ConfigError` with one line naming the field and the fix, which the CLI
+prints before exiting with status 2.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import yaml
 
@@ -20,11 +23,47 @@ import yaml
 from gspo.errors import ConfigError  # noqa: F401  (raised here; defined with the other user errors)
 
 
-def _f(default: Any, help: str) -> Any:
-    """A dataclass field with a default and its help text."""
+def _f(default: Any, help: str, *, choices: tuple | Callable[[], Any] | None = None,
+       gt: float | None = None, ge: float | None = None, lt: float | None = None,
+       le: float | None = None, when: Callable[[Any], bool] | None = None, why: str = "") -> Any:
+    """A dataclass field with a default, its help text and the values it allows.
+
+    choices: the allowed values, or a zero-argument callable returning them (a registry, read
+    when the config is checked rather than when this module is imported); for a list field each
+    entry must be one. gt / ge / lt / le: bounds (>, >=, <, <=); a lower and an upper bound make
+    an interval such as (0, 1]. when(section): the field is checked only where this holds, for a
+    setting that only means something with another one (the LoRA fields with LoRA on). why: the
+    reason behind a bound, added to its error. :func:`resolve` checks them all in one pass.
+    """
+    metadata = {"help": help, "choices": choices, "gt": gt, "ge": ge, "lt": lt, "le": le,
+                "when": when, "why": why}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _task_names() -> tuple[str, ...]:
+    """data.task's names (and the built-in rewards'): a callable, so a task registry can supply
+    them without touching the field."""
+    return ("arithmetic", "math", "code")
+
+
+def _tracker_names() -> tuple[str, ...]:
+    from gspo.trackers import TRACKERS  # no torch: config stays light to import
+
+    return tuple(TRACKERS)
+
+
+def _lora_on(m: ModelConfig) -> bool:
+    return bool(m.lora_rank)
+
+
+def _arithmetic(d: DataConfig) -> bool:
+    return d.task == "arithmetic"
+
+
+def _holds_out(d: DataConfig) -> bool:  # data.n_eval rows are generated or held out of data.path
+    return d.task == "arithmetic" or not d.eval_path
 
 
 @dataclass
@@ -39,13 +78,16 @@ class ModelConfig:
     num_experts: int = _f(8, "tiny MoE only: experts per layer")
     num_experts_per_tok: int = _f(2, "tiny MoE only: experts activated per token (top-k)")
     moe_intermediate_size: int = _f(128, "tiny MoE only: width of each expert's MLP")
-    dtype: str = _f("float32", "training dtype: float32 | bfloat16 | float16")
+    dtype: str = _f("float32", "training dtype", choices=("float32", "bfloat16", "float16"))
     logprob_chunk_size: int = _f(1024, "positions per chunk when computing log-probs "
                                  "(bounds the (chunk, V) logits held at once)")
-    lora_rank: int = _f(0, "LoRA (through peft): rank of the adapters; 0 = train every weight")
-    lora_alpha: float = _f(32.0, "LoRA: scale numerator, the update is (alpha / rank) B A")
+    lora_rank: int = _f(0, "LoRA (through peft): rank of the adapters; 0 = train every weight",
+                        ge=0)
+    lora_alpha: float = _f(32.0, "LoRA: scale numerator, the update is (alpha / rank) B A",
+                           gt=0, when=_lora_on)
     lora_dropout: float = _f(0.0, "LoRA: dropout on the adapters' input (0 keeps pi_old's "
-                             "recompute and the update's forward identical)")
+                             "recompute and the update's forward identical)",
+                             ge=0, lt=1, when=_lora_on)
     lora_target_modules: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                     "up_proj", "down_proj"],
                                    "LoRA: names of the linear layers that get adapters")
@@ -55,12 +97,15 @@ class ModelConfig:
 class DataConfig:
     task: str = _f("arithmetic", "prompt source: 'arithmetic' (the synthetic default), 'math' "
                    "(answers checked with math-verify) or 'code' (programs run against tests "
-                   "in a sandbox), the last two read from data.path")
-    digits: int = _f(2, "arithmetic: maximum number of digits of each operand")
+                   "in a sandbox), the last two read from data.path", choices=_task_names)
+    digits: int = _f(2, "arithmetic: maximum number of digits of each operand", gt=0,
+                     when=_arithmetic)
     operations: str = _f("+", "arithmetic: operators to draw from, e.g. '+' or '+-'")
-    n_train: int = _f(8000, "arithmetic: number of training prompts generated")
+    n_train: int = _f(8000, "arithmetic: number of training prompts generated", gt=0,
+                      when=_arithmetic)
     n_eval: int = _f(200, "held-out prompts: arithmetic generates them (disjoint from training); "
-                     "math/code without data.eval_path hold out this many rows of data.path")
+                     "math/code without data.eval_path hold out this many rows of data.path",
+                     gt=0, when=_holds_out)
     seed: int = _f(1234, "seed of the task generator and of the math/code held-out split")
     path: str = _f("", "math/code: training prompts, a .jsonl, .json, .parquet or .csv file, "
                    "a `datasets` directory (save_to_disk, or a hub dataset's layout) or a hub "
@@ -70,7 +115,8 @@ class DataConfig:
     subset: str = _f("", "hub dataset: its configuration (subset), e.g. 'main' for openai/gsm8k")
     split: str = _f("train", "split of data.path (a hub dataset or a saved DatasetDict)")
     eval_split: str = _f("", "split of data.eval_path ('' = data.split), e.g. 'test'")
-    max_rows: int = _f(0, "math/code: read at most this many rows of each file (0 = all)")
+    max_rows: int = _f(0, "math/code: read at most this many rows of each file (0 = all)",
+                       ge=0)
     prompt_field: str = _f("prompt", "field holding the prompt (the user turn of the chat "
                            "template), e.g. 'question' for GSM8K, 'problem' for MATH")
     answer_field: str = _f("answer", "math: field holding the reference answer (bare, "
@@ -86,25 +132,28 @@ class DataConfig:
     prompt_template: str = _f("{prompt}", "user turn, with {prompt} replaced by the prompt field, "
                               "e.g. '{prompt} Put the final answer in \\boxed{}.'")
     on_bad_row: str = _f("fail", "a malformed row: 'fail' (stop, naming file, row and field) or "
-                         "'skip' (leave it out, counted and logged)")
+                         "'skip' (leave it out, counted and logged)", choices=("fail", "skip"))
     reward: str = _f("", "reward function: '' = the task's own, a built-in name (arithmetic, "
                      "math, code) or 'module:function' / 'file.py:function' of your own, "
                      "called f(completion, **row_fields) -> float")
     reward_mode: str = _f("all", "code: 'all' (1 when every test passes) or 'fraction' (the "
-                          "fraction of tests passing)")
+                          "fraction of tests passing)", choices=("all", "fraction"))
     format_weight: float = _f(0.0, "math/code: bonus for a well-formed answer (a \\boxed{} "
-                              "answer / a fenced code block), in [0, 1)")
+                              "answer / a fenced code block)", ge=0, lt=1,
+                              why="so that a well-formed wrong answer never counts as solved")
     reward_timeout: float = _f(5.0, "math: seconds math-verify may spend on one completion "
-                               "before it scores 0")
+                               "before it scores 0", gt=0)
     reward_fn_timeout: float = _f(60.0, "any reward: seconds one call may take before it fails "
-                                  "(scored 0 and counted; the call is abandoned); 0 = no limit")
+                                  "(scored 0 and counted; the call is abandoned); 0 = no limit",
+                                  ge=0)
     max_reward_failures: float = _f(0.5, "stop the run when more than this fraction of the "
                                     "completions of the last 10 RL steps failed to score (and "
-                                    "at once when all of the first step's did); 1 = never")
-    code_timeout: float = _f(5.0, "code: wall-clock and CPU seconds of one test run")
+                                    "at once when all of the first step's did); 1 = never",
+                                    ge=0, le=1)
+    code_timeout: float = _f(5.0, "code: wall-clock and CPU seconds of one test run", gt=0)
     code_memory_mb: int = _f(1024, "code: memory of one test run, all its processes together "
-                             "(see gspo.sandbox)")
-    code_workers: int = _f(0, "code: test runs in parallel (0 = the number of CPUs)")
+                             "(see gspo.sandbox)", gt=0)
+    code_workers: int = _f(0, "code: test runs in parallel (0 = the number of CPUs)", ge=0)
     code_python: str = _f("", "code: interpreter the sandboxed programs run under ('' = the "
                           "system python3, which an unprivileged uid can execute)")
 
@@ -113,70 +162,80 @@ class DataConfig:
 class RolloutConfig:
     engine: str = _f("hf", "rollout engine: 'hf' (batched decode with KV cache) or 'vllm' "
                      "(GPU, `pip install gspo[vllm]`)")
-    dtype: str = _f("float32", "precision the rollout engine samples in (float32 | bfloat16); "
-                    "training keeps model.dtype")
+    dtype: str = _f("float32", "precision the rollout engine samples in; training keeps "
+                    "model.dtype", choices=("float32", "bfloat16", "float16"))
     vllm_gpu_memory_utilization: float = _f(0.3, "vllm only: fraction of GPU memory for vLLM "
                                             "(colocated with training)")
-    group_size: int = _f(8, "G: responses sampled per prompt")
-    prompts_per_step: int = _f(32, "prompts per RL step; the rollout batch is prompts_per_step*G")
-    temperature: float = _f(1.0, "sampling temperature (also applied to the training log-probs)")
-    top_p: float = _f(1.0, "nucleus sampling threshold")
-    max_new_tokens: int = _f(8, "maximum response length in tokens")
+    group_size: int = _f(8, "G: responses sampled per prompt", ge=2,
+                         why="group advantages need at least 2 responses per prompt; with 1, "
+                             "every advantage and gradient is 0")
+    prompts_per_step: int = _f(32, "prompts per RL step; the rollout batch is prompts_per_step*G",
+                               gt=0)
+    temperature: float = _f(1.0, "sampling temperature (also applied to the training log-probs)",
+                            gt=0)
+    top_p: float = _f(1.0, "nucleus sampling threshold", gt=0, le=1)
+    max_new_tokens: int = _f(8, "maximum response length in tokens", gt=0)
 
 
 @dataclass
 class AlgorithmConfig:
     name: str = _f("gspo", "objective: gspo | gspo_token | grpo (`algorithm=NAME` for short)")
     eps_low: float | None = _f(None, "lower clip range; default from the preset "
-                               "(gspo 3e-4, grpo 0.2)")
+                               "(gspo 3e-4, grpo 0.2)", ge=0)
     eps_high: float | None = _f(None, "upper clip range; default from the preset "
-                                "(gspo 4e-4, grpo 0.27)")
+                                "(gspo 4e-4, grpo 0.27)", ge=0)
     aggregation: str | None = _f(None, "grpo loss aggregation: seq-mean-token-mean | "
                                  "token-mean | seq-mean-token-sum-norm")
     advantage_scale: str = _f("group", "advantage normaliser: group | batch | none (Dr.GRPO)")
-    minibatches: int = _f(4, "optimiser steps per rollout batch (the paper: 4)")
+    minibatches: int = _f(4, "optimiser steps per rollout batch (the paper: 4)", gt=0)
     micro_batch_size: int = _f(0, "sequences per forward/backward (0 = the whole minibatch); "
-                               "gradients accumulate with global denominators")
-    beta: float = _f(0.0, "KL penalty to the initial policy (k3); 0 = off, as in the paper")
+                               "gradients accumulate with global denominators", ge=0)
+    beta: float = _f(0.0, "KL penalty to the initial policy (k3); 0 = off, as in the paper",
+                     ge=0)
     old_logprobs: str = _f("recompute", "pi_old from 'recompute' (a training-engine forward "
-                           "pass) or 'rollout' (the sampler's own log-probs; no recompute pass)")
+                           "pass) or 'rollout' (the sampler's own log-probs; no recompute pass)",
+                           choices=("recompute", "rollout"))
     mismatch_every: int = _f(10, "with old_logprobs=rollout, also recompute every N steps just "
-                             "to log mismatch/* (0 = never)")
-    tis: str = _f("none", "truncated importance sampling for engine mismatch: none | token | "
-                  "sequence (needs old_logprobs=recompute)")
-    tis_cap: float = _f(2.0, "TIS truncation cap C")
+                             "to log mismatch/* (0 = never)", ge=0)
+    tis: str = _f("none", "truncated importance sampling for engine mismatch, per token or "
+                  "per sequence (needs old_logprobs=recompute)",
+                  choices=("none", "token", "sequence"))
+    tis_cap: float = _f(2.0, "TIS truncation cap C", gt=0)
     routing_replay: bool = _f(False, "MoE: record the experts chosen under pi_old and force "
                               "them when computing pi_theta (GRPO needs it, GSPO should not)")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(1e-4, "AdamW learning rate of the RL phase")
+    lr: float = _f(1e-4, "AdamW learning rate of the RL phase", gt=0)
     weight_decay: float = _f(0.0, "AdamW weight decay")
     betas: list = _f([0.9, 0.999], "AdamW betas")
-    grad_clip: float = _f(1.0, "max global gradient norm (0 = no clipping)")
+    grad_clip: float = _f(1.0, "max global gradient norm (0 = no clipping)", ge=0)
     warmup_steps: int = _f(0, "linear learning-rate warm-up, in optimiser steps")
 
 
 @dataclass
 class WarmupConfig:
-    steps: int = _f(300, "supervised warm-up steps before RL (0 for a pretrained model)")
+    steps: int = _f(300, "supervised warm-up steps before RL (0 for a pretrained model)",
+                    ge=0)
     lr: float = _f(1e-3, "warm-up AdamW learning rate")
-    batch_size: int = _f(64, "warm-up examples per step")
+    batch_size: int = _f(64, "warm-up examples per step", gt=0)
 
 
 @dataclass
 class TrainConfig:
-    steps: int = _f(400, "RL steps (one rollout batch each)")
+    steps: int = _f(400, "RL steps (one rollout batch each)", ge=0)
     seed: int = _f(0, "seed of model init, sampling and data order")
-    eval_every: int = _f(50, "held-out evaluation every N RL steps (and at step 0); 0 = never")
-    eval_k: int = _f(4, "samples per held-out problem (accuracy is avg@k)")
-    eval_temperature: float = _f(1.0, "sampling temperature of the evaluation")
-    save_every: int = _f(100, "checkpoint every N RL steps (and at the end); 0 = only the end")
-    keep_last: int = _f(2, "checkpoints kept (older ones are deleted)")
+    eval_every: int = _f(50, "held-out evaluation every N RL steps (and at step 0); 0 = never",
+                         ge=0)
+    eval_k: int = _f(4, "samples per held-out problem (accuracy is avg@k)", gt=0)
+    eval_temperature: float = _f(1.0, "sampling temperature of the evaluation", ge=0)
+    save_every: int = _f(100, "checkpoint every N RL steps (and at the end); 0 = only the end",
+                         ge=0)
+    keep_last: int = _f(2, "checkpoints kept (older ones are deleted)", ge=0)
     report_to: list | str = _f([], "experiment trackers to log to besides metrics.jsonl "
-                               "(always written): any of tensorboard, wandb, trackio, mlflow, "
-                               "e.g. [wandb, tensorboard] (`pip install gspo[trackers]`)")
+                               "(always written), e.g. [wandb, tensorboard] (`pip install "
+                               "gspo[trackers]`)", choices=_tracker_names)
     project: str = _f("gspo", "trackers: the project (wandb, Trackio) or experiment (MLflow) "
                       "the run is logged under; the run's name is its directory's name")
     tensorboard: bool = _f(False, "deprecated: true is train.report_to=[tensorboard]")
@@ -186,11 +245,12 @@ class TrainConfig:
                      "'cuda:N'")
     data_parallel: str = _f("auto", "under torchrun: 'fsdp' (FSDP2, parameters, gradients and "
                             "optimiser state sharded over ranks), 'ddp' (every rank holds the "
-                            "whole model), or 'auto' = fsdp where this torch has fully_shard")
+                            "whole model), or 'auto' = fsdp where this torch has fully_shard",
+                            choices=("auto", "fsdp", "ddp"))
     dist_timeout_s: float = _f(600.0, "under torchrun: seconds a rank waits in a collective (or "
                                "for the others to join) before every rank stops with an error "
                                "instead of hanging; raise it if one rank's checkpoint write or "
-                               "evaluation is slower than that")
+                               "evaluation is slower than that", gt=0)
 
 
 @dataclass
@@ -306,116 +366,112 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return resolve(cfg)
 
 
-def _positive(key: str, value: float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+_BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, ">="), "lt": (operator.lt, "<"),
+           "le": (operator.le, "<=")}
+
+
+def _names(choices: tuple | Callable[[], Any]) -> tuple:
+    return tuple(choices() if callable(choices) else choices)
+
+
+def allowed(meta: Mapping[str, Any]) -> str:
+    """What a field's metadata allows, as --help and its error show it: 'a | b | c', '> 0' or
+    'in (0, 1]'; '' when it declares nothing."""
+    if meta.get("choices") is not None:
+        return " | ".join(map(str, _names(meta["choices"])))
+    bounds = [(op, meta[op]) for op in _BOUNDS if meta.get(op) is not None]
+    if len(bounds) == 2:  # a lower and an upper bound: an interval, ( ] for open / closed ends
+        (low_op, low), (high_op, high) = bounds
+        return f"in {'(' if low_op == 'gt' else '['}{low}, {high}{')' if high_op == 'lt' else ']'}"
+    return " and ".join(f"{_BOUNDS[op][1]} {bound}" for op, bound in bounds)
+
+
+def check_value(key: str, value: Any, meta: Mapping[str, Any]) -> None:
+    """Raise ConfigError, in the one format of every such error, unless value is one of meta's
+    choices (each entry, for a list) and within its bounds. None (left to a preset) passes."""
+    if value is None:
+        return
+    if meta.get("choices") is not None:
+        names = _names(meta["choices"])
+        bad = [v for v in (value if isinstance(value, list) else [value]) if v not in names]
+        if not bad:
+            return
+        value, what = bad[0], "one of " + allowed(meta)
+    else:
+        bounds = [(test, meta[op]) for op, (test, _) in _BOUNDS.items() if meta.get(op) is not None]
+        if all(test(value, bound) for test, bound in bounds):  # NaN fails: every test is False
+            return
+        what = allowed(meta)
+    why = f" ({meta['why']})" if meta.get("why") else ""
+    raise ConfigError(f"{key} must be {what}, got {value!r}{why}")
+
+
+def check_fields(cfg: Config) -> None:
+    """The one pass over every section's fields that checks the choices and bounds they declare
+    (a field whose `when` does not hold is skipped)."""
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
+        for f in dataclasses.fields(obj):
+            when = f.metadata.get("when")
+            if when is None or when(obj):
+                check_value(f"{section.name}.{f.name}", getattr(obj, f.name), f.metadata)
+
+
+def _check_choice(key: str, value: Any, names: Any) -> None:
+    """A choice among names only known with torch imported (the objective and engine registries,
+    which config.py must not import at module level), in check_fields' format."""
+    check_value(key, value, {"choices": tuple(names)})
 
 
 def resolve(cfg: Config) -> Config:
-    """Fill preset defaults and check every cross-field constraint once."""
+    """Fill preset defaults, check every field's declared choices and bounds in one pass, then
+    the rules that relate fields to each other."""
     from gspo.objectives import AGGREGATIONS, OBJECTIVES, ADVANTAGE_SCALES
 
     a, r = cfg.algorithm, cfg.rollout
-    if a.name not in OBJECTIVES:
-        raise ConfigError(f"algorithm.name '{a.name}' is unknown; choose one of "
-                          f"{', '.join(OBJECTIVES)}")
+    _check_choice("algorithm.name", a.name, OBJECTIVES)
     spec = OBJECTIVES[a.name]  # the paper's defaults live in the objective's registry entry
     a.eps_low = spec.eps_low if a.eps_low is None else a.eps_low
     a.eps_high = spec.eps_high if a.eps_high is None else a.eps_high
     a.aggregation = spec.aggregations[0] if a.aggregation is None else a.aggregation
-    if a.aggregation not in AGGREGATIONS:
-        raise ConfigError(f"algorithm.aggregation '{a.aggregation}' is unknown; choose one of "
-                          f"{', '.join(AGGREGATIONS)}")
+    check_fields(cfg)
+    _check_choice("algorithm.aggregation", a.aggregation, AGGREGATIONS)
     if a.aggregation not in spec.aggregations:
         raise ConfigError(f"algorithm.aggregation '{a.aggregation}' does not apply to {a.name}, "
                           f"which takes {', '.join(spec.aggregations)}")
-    if a.advantage_scale not in ADVANTAGE_SCALES:
-        raise ConfigError(f"algorithm.advantage_scale '{a.advantage_scale}' is unknown; choose "
-                          f"one of {', '.join(ADVANTAGE_SCALES)}")
+    _check_choice("algorithm.advantage_scale", a.advantage_scale, ADVANTAGE_SCALES)
+    from gspo.engines import ENGINES  # the registry a new engine is added to
+    _check_choice("rollout.engine", r.engine, sorted(ENGINES))
     m = cfg.model
-    _positive("model.lora_rank", m.lora_rank, allow_zero=True)
-    if m.lora_rank:
-        _positive("model.lora_alpha", m.lora_alpha)
-        if not 0 <= m.lora_dropout < 1:
-            raise ConfigError(f"model.lora_dropout must be in [0, 1), got {m.lora_dropout}")
-        if not m.lora_target_modules or not all(isinstance(x, str) for x in m.lora_target_modules):
-            raise ConfigError(f"model.lora_target_modules must be a non-empty list of layer "
-                              f"names, e.g. [q_proj, v_proj]; got {m.lora_target_modules!r}")
-    _positive("algorithm.eps_low", a.eps_low, allow_zero=True)
-    _positive("algorithm.eps_high", a.eps_high, allow_zero=True)
-    _positive("algorithm.beta", a.beta, allow_zero=True)
-    _positive("algorithm.minibatches", a.minibatches)
-    _positive("algorithm.micro_batch_size", a.micro_batch_size, allow_zero=True)
-    _positive("rollout.group_size", r.group_size)
-    if r.group_size < 2:
-        raise ConfigError(f"rollout.group_size={r.group_size}: group advantages need at least 2 "
-                          f"responses per prompt (with 1, every advantage and gradient is 0)")
-    _positive("rollout.prompts_per_step", r.prompts_per_step)
-    _positive("rollout.max_new_tokens", r.max_new_tokens)
-    _positive("rollout.temperature", r.temperature)
-    if not 0 < r.top_p <= 1:
-        raise ConfigError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    if m.lora_rank and (not m.lora_target_modules
+                        or not all(isinstance(x, str) for x in m.lora_target_modules)):
+        raise ConfigError(f"model.lora_target_modules must be a non-empty list of layer "
+                          f"names, e.g. [q_proj, v_proj]; got {m.lora_target_modules!r}")
     batch = r.prompts_per_step * r.group_size
     if batch % a.minibatches:
         raise ConfigError(f"rollout batch {batch} (prompts_per_step {r.prompts_per_step} x "
                           f"group_size {r.group_size}) is not divisible by algorithm.minibatches "
                           f"{a.minibatches}")
-    from gspo.engines import ENGINES  # the registry a new engine is added to
-    if r.engine not in ENGINES:
-        raise ConfigError(f"rollout.engine '{r.engine}' is unknown; available: "
-                          f"{', '.join(sorted(ENGINES))}")
-    if r.dtype not in ("float32", "bfloat16", "float16"):
-        raise ConfigError(f"rollout.dtype '{r.dtype}' is unknown; use float32 or bfloat16")
-    if a.old_logprobs not in ("recompute", "rollout"):
-        raise ConfigError(f"algorithm.old_logprobs '{a.old_logprobs}' is unknown; use "
-                          f"recompute or rollout")
-    _positive("algorithm.mismatch_every", a.mismatch_every, allow_zero=True)
-    if a.tis not in ("none", "token", "sequence"):
-        raise ConfigError(f"algorithm.tis '{a.tis}' is unknown; use none, token or sequence")
     if a.tis != "none" and a.old_logprobs == "rollout":
         raise ConfigError("algorithm.tis corrects a recomputed pi_old for the engine's "
                           "sampling; it needs algorithm.old_logprobs=recompute")
     if a.tis == "token" and not spec.token_advantages:
         raise ConfigError(f"algorithm.tis=token gives per-token weights, but {a.name} has one "
                           f"advantage per sequence; use tis=sequence or algorithm=gspo_token")
-    _positive("algorithm.tis_cap", a.tis_cap)
-    if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
-        raise ConfigError(f"model.dtype '{cfg.model.dtype}' is unknown; use float32, bfloat16 "
-                          f"or float16")
-    _positive("optim.lr", cfg.optim.lr)
-    _positive("optim.grad_clip", cfg.optim.grad_clip, allow_zero=True)
     betas = cfg.optim.betas
     if (not isinstance(betas, (list, tuple)) or len(betas) != 2
             or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.999]; got "
                           f"{betas}")
-    _positive("warmup.steps", cfg.warmup.steps, allow_zero=True)
-    _positive("warmup.batch_size", cfg.warmup.batch_size)
-    t = cfg.train
-    _positive("train.steps", t.steps, allow_zero=True)
-    _positive("train.eval_k", t.eval_k)
-    _positive("train.dist_timeout_s", t.dist_timeout_s)
-    _positive("train.eval_temperature", t.eval_temperature, allow_zero=True)
-    for k in ("eval_every", "save_every", "keep_last"):
-        _positive(f"train.{k}", getattr(t, k), allow_zero=True)
-    _check_trackers(t)
-    if t.data_parallel not in ("auto", "fsdp", "ddp"):
-        raise ConfigError(f"train.data_parallel '{t.data_parallel}' is unknown; available: "
-                          f"auto, fsdp, ddp")
+    _check_trackers(cfg.train)
     _check_data(cfg.data)
     return cfg
 
 
 def _check_trackers(t: TrainConfig) -> None:
-    """Validate train.report_to, folding the deprecated train.tensorboard into it (so the saved
-    config names each tracker once)."""
-    from gspo.trackers import TRACKERS
-
+    """Fold the deprecated train.tensorboard into train.report_to (so the saved config names
+    each tracker once); check_fields has checked the names."""
     names = [t.report_to] if isinstance(t.report_to, str) else t.report_to
-    unknown = [n for n in names if not isinstance(n, str) or n not in TRACKERS]
-    if unknown:
-        raise ConfigError(f"train.report_to: unknown tracker {unknown[0]!r}; choose from "
-                          f"{', '.join(TRACKERS)}")
     t.report_to = list(dict.fromkeys(names + ["tensorboard"] * t.tensorboard))
     t.tensorboard = False
     if not t.project:
@@ -423,16 +479,10 @@ def _check_trackers(t: TrainConfig) -> None:
 
 
 def _check_data(d: DataConfig) -> None:
-    tasks = ("arithmetic", "math", "code")
-    if d.task not in tasks:
-        raise ConfigError(f"data.task '{d.task}' is unknown; available: {', '.join(tasks)}")
     if d.task == "arithmetic":
         if d.path or d.eval_path:
             raise ConfigError("data.path is set but data.task is 'arithmetic'; set "
                               "data.task=math or data.task=code to train on a file")
-        _positive("data.digits", d.digits)
-        _positive("data.n_train", d.n_train)
-        _positive("data.n_eval", d.n_eval)
         if not d.operations or set(d.operations) - set("+-*"):
             raise ConfigError(f"data.operations '{d.operations}' must be made of + - *")
         distinct = 10 ** (2 * d.digits) * len(set(d.operations))
@@ -449,32 +499,15 @@ def _check_data(d: DataConfig) -> None:
             if value and not Path(value).expanduser().exists() and not looks_like_hub_id(value):
                 raise ConfigError(f"data.{key} '{value}' not found: it is neither an existing "
                                   f"file or directory nor a hub dataset id like openai/gsm8k")
-        if not d.eval_path:
-            _positive("data.n_eval", d.n_eval)
         needed = {"math": "answer_field", "code": "tests_field"}[d.task]
         for key in ("prompt_field", needed):
             if not getattr(d, key):
                 raise ConfigError(f"data.{key} must name a field of the data file")
     if "{prompt}" not in d.prompt_template:
         raise ConfigError(f"data.prompt_template '{d.prompt_template}' must contain {{prompt}}")
-    for key, allowed in (("on_bad_row", ("fail", "skip")), ("reward_mode", ("all", "fraction"))):
-        if getattr(d, key) not in allowed:
-            raise ConfigError(f"data.{key} '{getattr(d, key)}' is unknown; choose "
-                              f"{' or '.join(allowed)}")
-    _positive("data.reward_fn_timeout", d.reward_fn_timeout, allow_zero=True)
-    if not 0 <= d.max_reward_failures <= 1:
-        raise ConfigError(f"data.max_reward_failures must be in [0, 1], got {d.max_reward_failures}")
-    if not 0 <= d.format_weight < 1:
-        raise ConfigError(f"data.format_weight must be in [0, 1) so that a well-formed wrong "
-                          f"answer never counts as solved, got {d.format_weight}")
-    if d.reward and d.reward not in tasks and ":" not in d.reward:
+    if d.reward and d.reward not in _task_names() and ":" not in d.reward:
         raise ConfigError(f"data.reward '{d.reward}' must be 'module:function', "
-                          f"'file.py:function' or a built-in: {', '.join(tasks)}")
-    _positive("data.reward_timeout", d.reward_timeout)
-    _positive("data.code_timeout", d.code_timeout)
-    _positive("data.code_memory_mb", d.code_memory_mb)
-    _positive("data.code_workers", d.code_workers, allow_zero=True)
-    _positive("data.max_rows", d.max_rows, allow_zero=True)
+                          f"'file.py:function' or a built-in: {', '.join(_task_names())}")
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
@@ -486,11 +519,13 @@ def save_config(cfg: Config, path: Path) -> None:
 
 
 def help_text() -> str:
-    """Every field with its type, default and help, grouped by section."""
+    """Every field with its default, help and what it allows, grouped by section."""
     lines = []
     for section in dataclasses.fields(Config):
         lines.append(f"  {section.name}:")
         for f in dataclasses.fields(section.default_factory()):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"    {section.name}.{f.name}={default!r}\n        {f.metadata['help']}")
+            values = allowed(f.metadata)
+            lines.append(f"    {section.name}.{f.name}={default!r}\n        {f.metadata['help']}"
+                         + (f"  [{values}]" if values else ""))
     return "\n".join(lines)
