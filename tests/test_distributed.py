@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gspo import metrics as M
 from gspo.distributed import Dist
 from gspo.logger import read_metrics
 
@@ -140,7 +141,7 @@ def test_fsdp_checkpoint_resumes_exactly_under_fsdp_and_ddp(tmp_path):
                  f"train.data_parallel={mode}")
         rows = read_metrics(run)
         assert [r["step"] for r in rows] == [1, 2]
-        for k in ("reward/mean", "loss", "grad_norm", "clip/frac", "ratio/mean", "kl/old"):
+        for k in (M.REWARD_MEAN, M.LOSS, M.GRAD_NORM, M.CLIP_FRAC, M.RATIO_MEAN, M.KL_OLD):
             assert rows[1][k] == pytest.approx(ref[1][k], rel=1e-4, abs=1e-6), (mode, k)
         want = _weights(full / "checkpoints" / "step_000002")
         got = _weights(run / "checkpoints" / "step_000002")

@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("peft")
 
+from gspo import metrics as M  # noqa: E402
 from gspo.config import ConfigError, load_config  # noqa: E402
 from gspo.logger import read_metrics  # noqa: E402
 from gspo.logprobs import token_logprobs  # noqa: E402
@@ -120,7 +121,7 @@ def test_a_lora_checkpoint_loads_in_plain_transformers_and_resumes_exactly(tiny_
     (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     train(cfg, resumed, resume=True)
     want, got = read_metrics(full)[-1], read_metrics(resumed)[-1]
-    for k in ("reward/mean", "loss", "grad_norm", "clip/frac", "eval/accuracy"):
+    for k in (M.REWARD_MEAN, M.LOSS, M.GRAD_NORM, M.CLIP_FRAC, M.EVAL_ACCURACY):
         assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-9), k
     from safetensors.torch import load_file
     a = load_file(ckpt / "lora" / "adapter_model.safetensors")

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from gspo import metrics as M
 from gspo.models import build_tiny_qwen3_moe
 from gspo.logprobs import token_logprobs
 from gspo.moe import RoutingRecorder, expert_volatility, find_routers, load_stats
@@ -127,8 +128,27 @@ def test_routing_replay_in_train_logs_moe_metrics(tmp_path, tiny_overrides):
         "algorithm=grpo", "algorithm.routing_replay=true", "train.steps=1"])
     train(cfg, tmp_path / "run")
     row = read_metrics(tmp_path / "run")[-1]
-    for key in ("moe/volatility", "moe/changed_frac", "moe/load_max", "moe/load_cv"):
+    for key in (M.MOE + "volatility", M.MOE + "changed_frac", M.MOE + "load_max", M.MOE + "load_cv"):
         assert 0 <= row[key] < float("inf")
+
+
+def test_moe_with_engine_logprobs_measures_volatility_on_the_recomputed_steps(
+        tmp_path, tiny_overrides):
+    """old_logprobs=rollout without Routing Replay: no training forward runs under pi_old, so
+    the experts it chose are known only on the mismatch_every steps that recompute (this
+    configuration used to stop with KeyError 'old')."""
+    from gspo.config import load_config
+    from gspo.logger import read_metrics
+    from gspo.trainer import train
+
+    cfg = load_config(overrides=tiny_overrides + [
+        "model.name_or_path=tiny-qwen3-moe", "model.moe_intermediate_size=32",
+        "algorithm.old_logprobs=rollout", "algorithm.mismatch_every=2", "train.steps=2"])
+    train(cfg, tmp_path / "run")
+    first, second = read_metrics(tmp_path / "run")[-2:]
+    assert M.MOE + "volatility" in first and M.MISMATCH + "token_abs_max" in first  # step 0
+    assert not any(k.startswith((M.MOE, M.MISMATCH)) for k in second)  # step 1: no recompute
+    assert 0 <= first[M.MOE + "volatility"] <= 1
 
 
 def test_routing_replay_on_a_dense_model_is_a_clear_error(tmp_path, tiny_overrides):

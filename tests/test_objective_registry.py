@@ -4,6 +4,7 @@ only (gspo.objectives.register_objective), then trained with `algorithm=NAME`.""
 import pytest
 import torch
 
+from gspo import metrics as M
 from gspo.config import ConfigError, load_config
 from gspo.logger import read_metrics
 from gspo.objectives import OBJECTIVES, LossSpec, aggregate, register_objective
@@ -42,7 +43,7 @@ def test_registered_objective_gets_its_defaults_and_trains(toy, tmp_path, tiny_o
     assert (a.eps_low, a.eps_high, a.aggregation) == (0.5, 0.5, "token-mean")
     train(cfg, tmp_path / "run")
     rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
-    assert len(rows) == 2 and all(r["clip/frac"] is not None for r in rows)
+    assert len(rows) == 2 and all(r[M.CLIP_FRAC] is not None for r in rows)
 
 
 def test_registered_objective_rejects_an_aggregation_it_does_not_take(toy, tiny_overrides):

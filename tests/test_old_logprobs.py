@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import gspo.trainer as trainer
+from gspo import metrics as M
 from gspo.config import ConfigError, load_config
 from gspo.logger import read_metrics
 from gspo.objectives import engine_mismatch, truncated_is_weights
@@ -61,15 +62,15 @@ def test_rollout_mode_monitors_mismatch_every_n_steps(tmp_path, tiny_overrides, 
         "algorithm.mismatch_every=2"])
     trainer.train(cfg, tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
-    assert [("mismatch/token_abs_mean" in r) for r in rows] == [True, False, True, False]
+    assert [(M.MISMATCH + "token_abs_mean" in r) for r in rows] == [True, False, True, False]
     assert counter.no_grad == 2 * 4  # steps 0 and 2 only
 
 
 def test_same_model_same_precision_has_no_mismatch(tmp_path, tiny_overrides):
     trainer.train(load_config(overrides=tiny_overrides + ["train.eval_every=0"]), tmp_path / "r")
     for row in read_metrics(tmp_path / "r"):
-        assert row["mismatch/token_abs_mean"] < 1e-5
-        assert row["mismatch/seq_log_ratio_abs_max"] < 1e-5
+        assert row[M.MISMATCH + "token_abs_mean"] < 1e-5
+        assert row[M.MISMATCH + "seq_log_ratio_abs_max"] < 1e-5
 
 
 def test_bfloat16_rollouts_have_positive_mismatch(tmp_path, tiny_overrides):
@@ -78,7 +79,7 @@ def test_bfloat16_rollouts_have_positive_mismatch(tmp_path, tiny_overrides):
     assert next(run.engine.model.parameters()).dtype == torch.bfloat16
     assert next(run.model.parameters()).dtype == torch.float32
     row = trainer.rl_step(run, 0)
-    assert row["mismatch/token_abs_mean"] > 1e-4  # float32 vs float32 gives ~1e-7
+    assert row[M.MISMATCH + "token_abs_mean"] > 1e-4  # float32 vs float32 gives ~1e-7
     # the engine's copy follows the trainer's weights after the step
     for (name, p), q in zip(run.model.named_parameters(), run.engine.model.parameters()):
         torch.testing.assert_close(p.detach().to(torch.bfloat16), q.detach(), rtol=0, atol=0,

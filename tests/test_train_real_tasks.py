@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from gspo import metrics as M
 from gspo.config import ConfigError, load_config
 from gspo.logger import read_metrics
 from gspo.trainer import train
@@ -19,8 +20,8 @@ def test_train_on_the_math_fixture_with_a_warm_up_from_its_solutions(tmp_path, t
     summary = train(cfg, tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1] and summary.steps == 1
-    assert 0.0 <= rows[1]["reward/mean"] <= 1.0 and rows[1]["reward/failures"] == 0
-    assert "eval/accuracy" in rows[1]
+    assert 0.0 <= rows[1][M.REWARD_MEAN] <= 1.0 and rows[1][M.REWARD_FAILURES] == 0
+    assert M.EVAL_ACCURACY in rows[1]
 
 
 def test_train_on_the_code_fixture(tmp_path, tiny_overrides):
@@ -31,7 +32,7 @@ def test_train_on_the_code_fixture(tmp_path, tiny_overrides):
     train(cfg, tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1]
-    assert rows[1]["reward/failures"] == 0 and "eval/accuracy" in rows[1]
+    assert rows[1][M.REWARD_FAILURES] == 0 and M.EVAL_ACCURACY in rows[1]
 
 
 def test_warm_up_without_solutions_is_a_config_error(tmp_path, tiny_overrides):

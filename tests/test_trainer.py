@@ -7,15 +7,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gspo import metrics as M
 from gspo.checkpoint import latest_checkpoint
 from gspo.config import load_config
 from gspo.logger import read_metrics
 from gspo.trainer import TrainingError, build_model, train
 
-REQUIRED_KEYS = ["step", "reward/mean", "reward/std", "loss", "clip/frac", "clip/frac_low",
-                 "clip/frac_high", "ratio/mean", "kl/old", "entropy", "grad_norm",
-                 "response/len_mean", "time/rollout_s", "time/update_s",
-                 "throughput/tokens_per_s"]
+REQUIRED_KEYS = ["step", M.REWARD_MEAN, M.REWARD_STD, M.LOSS, M.CLIP_FRAC, M.CLIP_FRAC_LOW,
+                 M.CLIP_FRAC_HIGH, M.RATIO_MEAN, M.KL_OLD, M.ENTROPY, M.GRAD_NORM,
+                 M.RESPONSE_LEN, M.TIME_ROLLOUT, M.TIME_UPDATE,
+                 M.TOKENS_PER_S]
 def digit_fraction(completion, **_):
     """A dense reward a random tiny model can earn: the share of digits in its answer."""
     return sum(c.isdigit() for c in completion) / max(1, len(completion))
@@ -42,9 +43,9 @@ def test_two_step_run_trains_and_logs_every_metric(tmp_path, tiny_overrides, den
     summary = train(cfg, tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert "eval/accuracy" in rows[0] and "loss" not in rows[0]  # step 0: evaluation only
+    assert M.EVAL_ACCURACY in rows[0] and M.LOSS not in rows[0]  # step 0: evaluation only
     for row in rows[1:]:
-        for key in REQUIRED_KEYS + ["eval/accuracy"]:
+        for key in REQUIRED_KEYS + [M.EVAL_ACCURACY]:
             assert key in row, key
         assert math.isfinite(row["loss"])
     assert all(r["grad_norm"] > 0 for r in rows[1:])
@@ -52,7 +53,7 @@ def test_two_step_run_trains_and_logs_every_metric(tmp_path, tiny_overrides, den
     changed = [k for k, v in final.state_dict().items() if not torch.equal(v, initial[k])]
     assert changed, "no parameter changed"
     assert (tmp_path / "run" / "config.yaml").is_file()
-    assert summary.final_accuracy == rows[-1]["eval/accuracy"]
+    assert summary.final_accuracy == rows[-1][M.EVAL_ACCURACY]
 
 
 def test_checkpoint_loads_with_plain_transformers(tmp_path, tiny_overrides):

@@ -13,6 +13,7 @@ vllm = pytest.importorskip("vllm")
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from gspo import metrics as M  # noqa: E402
 from gspo.config import load_config  # noqa: E402
 from gspo.engines import SamplingParams, make_engine, stop_token_ids, to_rollouts  # noqa: E402
 from gspo.engines.hf import HFEngine  # noqa: E402
@@ -204,8 +205,8 @@ def test_gspo_train_with_vllm_logs_a_small_mismatch(tmp_path, old_logprobs):
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
-        assert r["mismatch/token_abs_max"] < 1e-4  # float32 engine, pushed after every step
-        assert r["kl/old"] is not None
+        assert r[M.MISMATCH + "token_abs_max"] < 1e-4  # float32 engine, pushed after every step
+        assert r[M.KL_OLD] is not None
     assert (tmp_path / "run" / "checkpoints" / "step_000003" / "model.safetensors").is_file()
 
 
@@ -219,7 +220,7 @@ def test_resumed_vllm_run_continues_exactly(tmp_path):
     train(load_config(overrides=common + ["train.steps=2"]), tmp_path / "cut", resume=True)
     full = read_metrics(tmp_path / "full" / "metrics.jsonl")[-1]
     resumed = read_metrics(tmp_path / "cut" / "metrics.jsonl")[-1]
-    for key in ("reward/mean", "response/len_mean", "loss", "kl/old", "mismatch/token_abs_mean"):
+    for key in (M.REWARD_MEAN, M.RESPONSE_LEN, M.LOSS, M.KL_OLD, M.MISMATCH + "token_abs_mean"):
         assert resumed[key] == pytest.approx(full[key], rel=1e-5, abs=1e-7), key
 
 

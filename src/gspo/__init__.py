@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 _API = {
     # configuration and the run
     "Config": "gspo.config", "load_config": "gspo.config",
-    "train": "gspo.trainer", "prepare": "gspo.trainer", "rl_step": "gspo.trainer",
+    "train": "gspo.trainer", "build_run": "gspo.trainer", "prepare": "gspo.trainer", "rl_step": "gspo.trainer",
     "generate": "gspo.trainer", "old_policy": "gspo.trainer", "update": "gspo.trainer",
     "step_prompts": "gspo.trainer", "build_model": "gspo.trainer", "build_task": "gspo.trainer",
     "warmup": "gspo.trainer", "Summary": "gspo.trainer", "dry_run": "gspo.dryrun",
@@ -36,7 +36,7 @@ _API = {
     # data, rewards, evaluation
     "encode_prompts": "gspo.data", "score": "gspo.data", "evaluate": "gspo.evaluation",
     "make_splits": "gspo.tasks.arithmetic", "exact_match_reward": "gspo.tasks.arithmetic",
-    "read_metrics": "gspo.logger",
+    "read_metrics": "gspo.logger", "WeightedMean": "gspo.metrics",
     # torchrun
     "Dist": "gspo.distributed", "Policy": "gspo.distributed",
     # errors

@@ -219,7 +219,10 @@ class MoeRouting:
 
     def recording(self, n_rows: int, seq_len: int):
         """A `rows -> context manager` under which forwards over those rows record pi_old's
-        routing, for (n_rows, seq_len) decoder positions."""
+        routing, for (n_rows, seq_len) decoder positions; None when pi_old's routing is the
+        engine's, recorded as it sampled."""
+        if self.engine_recorder is not None:
+            return None
         self.recorder.allocate("old", n_rows, seq_len)
         return self.recorder.record
 
@@ -233,7 +236,8 @@ class MoeRouting:
         `recording` returns it); response_mask (B, T) marks the response tokens, which sit at
         the end of the seq_len decoder positions. Over the ranks of `d`: volatility weighted by tokens,
         the load from expert counts summed. Empty when pi_old's routing was not recorded
-        (old_logprobs=rollout without Routing Replay: no forward ran under pi_old)."""
+        (old_logprobs=rollout without Routing Replay, except on its mismatch_every steps: no
+        training forward ran under pi_old)."""
         from gspo.metrics import WeightedMean  # light; keeps moe importable on its own
         if "old" not in self.recorder.stores:
             return {}

@@ -185,7 +185,8 @@ def reduce_mismatch(m: dict[str, float], r: Rollouts, d: Dist) -> dict[str, floa
     w.add("seq_log_ratio_mean", m["seq_log_ratio_mean"], float(r.response_mask.shape[0]))
     w.add_max("token_abs_max", m["token_abs_max"])
     w.add_max("seq_log_ratio_abs_max", m["seq_log_ratio_abs_max"])
-    return w.result(d)
+    out = w.result(d)
+    return {k: out[k] for k in m}  # engine_mismatch's order
 
 
 def update(run: "Run", r: Rollouts, old_logp, ref_logp, adv) -> dict[str, float]:
@@ -620,9 +621,9 @@ def old_policy(run: Run, r: Rollouts, step: int) -> tuple[torch.Tensor, torch.Te
     monitor = use_rollout and a.mismatch_every > 0 and step % a.mismatch_every == 0
     metrics = {}
     if not use_rollout or monitor:
-        # pi_old's MoE routing: recorded here, or (rollout) while the engine sampled
+        # pi_old's MoE routing, recorded here unless the engine recorded it as it sampled
         B, L = r.input_ids.shape
-        route = None if use_rollout else run.routing.recording(B, L - 1)
+        route = run.routing.recording(B, L - 1)
         train_logp, entropy = policy_logprobs(run.policy, r, temp, run.micro, chunk, True,
                                               route=route)
         mismatch = engine_mismatch(train_logp, r.logp, r.response_mask)
