@@ -11,11 +11,11 @@ import logging
 import math
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Sequence
+
+from gspo.rewards import RewardFn
 
 log = logging.getLogger(__name__)
-
-RewardFn = Callable[..., float]
 
 
 def encode_prompts(tokenizer, rows: Sequence[dict], system_prompt: str | None = None

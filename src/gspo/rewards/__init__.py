@@ -3,8 +3,8 @@
 Built in: `gspo.rewards.math` (math-verify equivalence of the final answer) and
 `gspo.rewards.code` (the program run against the row's tests in the sandbox). A user's own is
 named in the config as `data.reward=module:function` (or `path/to/file.py:function`) and loaded
-by `load_reward`. The trainer scores through `gspo.data.score`, where a reward that raises or
-returns a non-finite value counts 0 and is logged, never killing the run.
+by `load_reward`. Training and evaluation both score through `gspo.data.score`, where a reward
+that raises or returns a non-finite value counts 0 and is logged, never killing the run.
 
 The submodules are imported lazily: the math-verify helper process imports this package and
 should not pay for the sandbox.
@@ -20,6 +20,10 @@ from typing import Callable
 from gspo.errors import ConfigError
 
 RewardFn = Callable[..., float]
+"""A reward: `f(completion: str, **row_fields) -> float`, called with one completion and every
+field of its row but the prompt (e.g. `answer=` or `tests=`), so it declares the fields it reads
+and takes `**_` for the rest. Any callable object will do. An alias rather than a Protocol:
+each reward names its own fields, which no one signature could spell."""
 
 
 def load_reward(spec: str) -> RewardFn:

@@ -20,9 +20,8 @@ import random
 from typing import Callable
 
 from gspo.errors import ConfigError
+from gspo.rewards import RewardFn
 from gspo.tasks import arithmetic
-
-RewardFn = Callable[..., float]
 
 
 def build_task(d, train_data=None, eval_data=None, reward_fn=None,
