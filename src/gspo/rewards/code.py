@@ -33,7 +33,7 @@ import re
 import threading
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from gspo.errors import ConfigError
 from gspo.sandbox import Limits, RunResult, Sandbox
@@ -219,7 +219,8 @@ class CodeReward:
 
     mode: 'all' (1 when every test passes) or 'fraction'; format_weight: added when the
     completion has a fenced code block; limits: per test run; workers: parallel runs (default
-    the number of CPUs).
+    the number of CPUs), which is also how many completions `gspo.data.score` scores at once.
+    `close()` shuts the pool (a later call starts a new one).
     """
 
     def __init__(self, mode: str = "all", format_weight: float = 0.0,
@@ -297,13 +298,6 @@ class CodeReward:
             passed == len(outcomes))
         has_fence = isinstance(completion, str) and bool(_FENCE.search(completion))
         return score + self.format_weight * has_fence
-
-    def batch(self, completions: Sequence[str], rows: Sequence[dict]) -> list[float]:
-        """Rewards of many completions at once, their tests sharing the pool."""
-        with ThreadPoolExecutor(max(1, min(len(completions), self.workers))) as outer:
-            return list(outer.map(lambda c, r: self(c, **{k: v for k, v in r.items()
-                                                         if k != "prompt"}),
-                                  completions, rows))
 
     def close(self) -> None:
         with self._lock:
