@@ -35,7 +35,7 @@ _API = {
     "stop_token_ids": "gspo.engines",
     # data, rewards, evaluation
     "encode_prompts": "gspo.data", "score": "gspo.data", "evaluate": "gspo.evaluation",
-    "RewardFn": "gspo.rewards",
+    "RewardFn": "gspo.rewards", "close_reward": "gspo.rewards",
     "make_splits": "gspo.tasks.arithmetic", "exact_match_reward": "gspo.tasks.arithmetic",
     "read_metrics": "gspo.logger",
     # torchrun

@@ -31,6 +31,7 @@ from gspo.data import encode_prompts, score
 from gspo.distributed import Dist, resolve_device
 from gspo.engines import engine_class
 from gspo.errors import ConfigError
+from gspo.rewards import close_reward
 from gspo.tasks import build_task
 from gspo.tasks.datasets import DatasetError
 from gspo.trainer import (build_model, check_launch, data_parallel_mode, fitting_prompts,
@@ -130,7 +131,7 @@ def try_reward(cfg: Config, reward, solution, row: dict) -> tuple[float, str]:
         (value,), failures, first = score(reward, [sample], [row],
                                           timeout=cfg.data.reward_fn_timeout or None)
     finally:
-        getattr(reward, "close", lambda: None)()
+        close_reward(reward)
     name = getattr(reward, "__name__", type(reward).__name__)
     if failures:
         raise ConfigError(f"the reward {name} failed on a sample answer (a {what}) to the first "

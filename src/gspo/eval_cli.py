@@ -24,6 +24,7 @@ from typing import Sequence
 
 from gspo.evaluation import EvalResult, evaluate, pass_at_k
 from gspo.engines import SamplingParams
+from gspo.rewards import close_reward
 
 TABLE_ROWS = 50  # problems printed; the JSONL always has them all
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                           batch_size=args.batch_size,
                           system_prompt=data_cfg.system_prompt or None)
     finally:
-        getattr(reward_fn, "close", lambda: None)()
+        close_reward(reward_fn)
         engine.close()
     records = report_records(result, rows, args.k)
     write_jsonl(records, output)

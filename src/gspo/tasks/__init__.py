@@ -20,7 +20,7 @@ import random
 from typing import Callable
 
 from gspo.errors import ConfigError
-from gspo.rewards import RewardFn
+from gspo.rewards import RewardFn, close_reward
 from gspo.tasks import arithmetic
 
 
@@ -88,6 +88,7 @@ def user_reward(reward_fn, d) -> RewardFn:
         return sum(float(f(completion, **fields)) for f in fns)
 
     summed.__name__ = "+".join(getattr(f, "__name__", "reward") for f in fns)
+    summed.close = lambda: close_reward(fns)  # so that closing the sum closes each part
     return summed
 
 
