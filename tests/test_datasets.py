@@ -1,5 +1,7 @@
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,6 +55,17 @@ def test_csv_tests_as_json_text_equal_the_jsonl_ones():
     two_sum = next(r for r in rows if "twoSum" in r["prompt"])
     assert two_sum["tests"][0] == {"kind": "call", "fn_name": "twoSum",
                                    "args": [[2, 7, 11, 15], 9], "expected": [0, 1]}
+
+
+def test_reading_code_rows_does_not_import_the_sandbox():
+    # the tests are parsed by gspo.rewards.code_tests; the sandbox is for the reward alone
+    code = ("import sys\nfrom gspo.config import DataConfig\n"
+            "from gspo.tasks.datasets import load_rows\n"
+            f"rows = load_rows({str(DATA / 'code_mini.jsonl')!r}, DataConfig(task='code'))\n"
+            "print(len(rows) > 0, 'gspo.sandbox' in sys.modules,\n"
+            "      'gspo.rewards.code' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True", "False", "False"], out.stderr[-2000:]
 
 
 def test_gsm8k_field_mapping_template_and_chat_template(tok):

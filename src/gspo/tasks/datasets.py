@@ -4,9 +4,9 @@
 `datasets.Dataset`, given to `gspo.train`).
 
 A DataConfig maps the file's fields onto a row: `prompt_field` (the user turn, passed through
-`prompt_template`), `answer_field` (math), `tests_field` (code; see gspo.rewards.code for the
-formats), `solution_field` (optional: the worked solution the supervised warm-up imitates) and
-`fn_name_field` (code, optional: the function call-based tests call). A row comes out as
+`prompt_template`), `answer_field` (math), `tests_field` (code; gspo.rewards.code_tests reads
+its formats), `solution_field` (optional: the worked solution the supervised warm-up imitates)
+and `fn_name_field` (code, optional: the function call-based tests call). A row comes out as
 
     {"prompt": ..., "answer": ... | "tests": [...], "solution": ...?, <the file's other fields>}
 
@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator
 
 from gspo.errors import ConfigError
 from gspo.hub import hub_unreachable, looks_like_hub_id
-from gspo.rewards.code import normalize_tests
+from gspo.rewards.code_tests import normalize_tests
 
 log = logging.getLogger(__name__)
 
