@@ -114,6 +114,11 @@ def test_malformed_tests_name_the_tests_field(tmp_path):
     with pytest.raises(DatasetError, match="row 1: field 'cases' \\(tests\\): tests are a "
                                            "string but not JSON"):
         load_rows(path, data(task="code", tests_field="cases"))
+    # a missing field is said once (it used to read "field 'cases' (tests): field 'cases' ...")
+    path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "p"}])
+    with pytest.raises(DatasetError, match="row 1: field 'cases' \\(tests\\) is missing; the row "
+                                           "has prompt \\(set data.tests_field\\)"):
+        load_rows(path, data(task="code", tests_field="cases"))
 
 
 def test_skip_mode_counts_logs_and_leaves_bad_rows_out(tmp_path, caplog):

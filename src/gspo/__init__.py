@@ -37,6 +37,7 @@ _API = {
     "encode_prompts": "gspo.data", "score": "gspo.data", "evaluate": "gspo.evaluation",
     "RewardFn": "gspo.rewards", "close_reward": "gspo.rewards",
     "make_splits": "gspo.tasks.arithmetic", "exact_match_reward": "gspo.tasks.arithmetic",
+    "TASKS": "gspo.tasks", "TaskSpec": "gspo.tasks", "register_task": "gspo.tasks",
     "read_metrics": "gspo.logger",
     # torchrun
     "Dist": "gspo.distributed", "Policy": "gspo.distributed",
