@@ -1,5 +1,7 @@
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,17 @@ def test_csv_tests_as_json_text_equal_the_jsonl_ones():
                                    "args": [[2, 7, 11, 15], 9], "expected": [0, 1]}
 
 
+def test_reading_code_rows_does_not_import_the_sandbox():
+    # the tests are parsed by gspo.rewards.code_tests; the sandbox is for the reward alone
+    code = ("import sys\nfrom gspo.config import DataConfig\n"
+            "from gspo.tasks.datasets import load_rows\n"
+            f"rows = load_rows({str(DATA / 'code_mini.jsonl')!r}, DataConfig(task='code'))\n"
+            "print(len(rows) > 0, 'gspo.sandbox' in sys.modules,\n"
+            "      'gspo.rewards.code' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True", "False", "False"], out.stderr[-2000:]
+
+
 def test_gsm8k_field_mapping_template_and_chat_template(tok):
     d = data(task="math", prompt_field="question", solution_field="answer",
              prompt_template="{prompt} Put the answer in \\boxed{}.")
@@ -100,6 +113,11 @@ def test_malformed_tests_name_the_tests_field(tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "p", "cases": "[not json"}])
     with pytest.raises(DatasetError, match="row 1: field 'cases' \\(tests\\): tests are a "
                                            "string but not JSON"):
+        load_rows(path, data(task="code", tests_field="cases"))
+    # a missing field is said once (it used to read "field 'cases' (tests): field 'cases' ...")
+    path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "p"}])
+    with pytest.raises(DatasetError, match="row 1: field 'cases' \\(tests\\) is missing; the row "
+                                           "has prompt \\(set data.tests_field\\)"):
         load_rows(path, data(task="code", tests_field="cases"))
 
 

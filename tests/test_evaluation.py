@@ -73,3 +73,27 @@ def test_a_reward_past_its_timeout_fails_without_waiting_for_it():
     assert rewards == [0.0] * 4 and failures == 4
     assert first == "TimeoutError: the reward took longer than 0.3 s (data.reward_fn_timeout)"
     assert time.monotonic() - t0 < 5  # two batches of 2 calls, 0.3 s each, not 4 x 30 s
+
+
+class _MeetsAPartner:
+    """A reward whose calls only succeed two at a time: each waits for another at a barrier."""
+
+    workers = 2
+
+    def __init__(self, wait_s: float = 10.0):
+        import threading
+        self.barrier = threading.Barrier(2, timeout=wait_s)
+
+    def __call__(self, completion, **_):
+        self.barrier.wait()
+        return 1.0
+
+
+def test_score_runs_as_many_calls_at_once_as_the_reward_has_workers():
+    # evaluation passes no workers: it gets the reward's own, as the RL step does
+    rewards, failures, _ = score(_MeetsAPartner(), ["x"] * 4, [{"prompt": "p"}] * 4)
+    assert rewards == [1.0] * 4 and failures == 0
+    # one at a time the barrier breaks: each call fails, none hangs
+    rewards, failures, first = score(_MeetsAPartner(wait_s=0.2), ["x"], [{"prompt": "p"}],
+                                 workers=1)
+    assert rewards == [0.0] and failures == 1 and first.startswith("BrokenBarrierError")

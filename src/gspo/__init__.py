@@ -35,7 +35,9 @@ _API = {
     "stop_token_ids": "gspo.engines",
     # data, rewards, evaluation
     "encode_prompts": "gspo.data", "score": "gspo.data", "evaluate": "gspo.evaluation",
+    "RewardFn": "gspo.rewards", "close_reward": "gspo.rewards",
     "make_splits": "gspo.tasks.arithmetic", "exact_match_reward": "gspo.tasks.arithmetic",
+    "TASKS": "gspo.tasks", "TaskSpec": "gspo.tasks", "register_task": "gspo.tasks",
     "read_metrics": "gspo.logger", "WeightedMean": "gspo.metrics",
     # torchrun
     "Dist": "gspo.distributed", "Policy": "gspo.distributed",

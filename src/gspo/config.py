@@ -43,9 +43,12 @@ def _f(default: Any, help: str, *, choices: tuple | Callable[[], Any] | None = N
 
 
 def _task_names() -> tuple[str, ...]:
-    """data.task's names (and the built-in rewards'): a callable, so a task registry can supply
-    them without touching the field."""
-    return ("arithmetic", "math", "code")
+    """data.task's names (and the built-in rewards'): the task registry's, read when the config
+    is checked, so that a task added with gspo.register_task is one (gspo.tasks loads no
+    torch)."""
+    from gspo.tasks import TASKS
+
+    return tuple(TASKS)
 
 
 def _tracker_names() -> tuple[str, ...]:
@@ -62,8 +65,15 @@ def _arithmetic(d: DataConfig) -> bool:
     return d.task == "arithmetic"
 
 
+def _generated(d: DataConfig) -> bool:  # the task makes its rows rather than reading data.path
+    from gspo.tasks import TASKS
+
+    task = TASKS.get(d.task)
+    return task is not None and task.make_rows is not None
+
+
 def _holds_out(d: DataConfig) -> bool:  # data.n_eval rows are generated or held out of data.path
-    return d.task == "arithmetic" or not d.eval_path
+    return _generated(d) or not d.eval_path
 
 
 @dataclass
@@ -102,7 +112,7 @@ class DataConfig:
                      when=_arithmetic)
     operations: str = _f("+", "arithmetic: operators to draw from, e.g. '+' or '+-'")
     n_train: int = _f(8000, "arithmetic: number of training prompts generated", gt=0,
-                      when=_arithmetic)
+                      when=_generated)
     n_eval: int = _f(200, "held-out prompts: arithmetic generates them (disjoint from training); "
                      "math/code without data.eval_path hold out this many rows of data.path",
                      gt=0, when=_holds_out)
@@ -479,10 +489,14 @@ def _check_trackers(t: TrainConfig) -> None:
 
 
 def _check_data(d: DataConfig) -> None:
+    from gspo.tasks import file_tasks, get_task  # the registry (no torch behind it)
+
+    task = get_task(d.task)
+    if task.make_rows is not None and (d.path or d.eval_path):
+        raise ConfigError(f"data.path is set but data.task is '{d.task}'; set "
+                          f"{' or '.join(f'data.task={n}' for n in file_tasks())} to train on "
+                          f"a file")
     if d.task == "arithmetic":
-        if d.path or d.eval_path:
-            raise ConfigError("data.path is set but data.task is 'arithmetic'; set "
-                              "data.task=math or data.task=code to train on a file")
         if not d.operations or set(d.operations) - set("+-*"):
             raise ConfigError(f"data.operations '{d.operations}' must be made of + - *")
         distinct = 10 ** (2 * d.digits) * len(set(d.operations))
@@ -490,7 +504,7 @@ def _check_data(d: DataConfig) -> None:
             raise ConfigError(f"data.n_train + data.n_eval = {d.n_train + d.n_eval} exceeds the "
                               f"{distinct} distinct problems with data.digits={d.digits}; "
                               f"lower them")
-    else:
+    if task.make_rows is None:
         # data.path may be empty here: Python rows given to gspo.train take its place, and
         # build_task says what to set when neither is given
         from gspo.hub import looks_like_hub_id
@@ -499,9 +513,8 @@ def _check_data(d: DataConfig) -> None:
             if value and not Path(value).expanduser().exists() and not looks_like_hub_id(value):
                 raise ConfigError(f"data.{key} '{value}' not found: it is neither an existing "
                                   f"file or directory nor a hub dataset id like openai/gsm8k")
-        needed = {"math": "answer_field", "code": "tests_field"}[d.task]
-        for key in ("prompt_field", needed):
-            if not getattr(d, key):
+        for key in ("prompt_field", task.setting(d)):
+            if key and not getattr(d, key):
                 raise ConfigError(f"data.{key} must name a field of the data file")
     if "{prompt}" not in d.prompt_template:
         raise ConfigError(f"data.prompt_template '{d.prompt_template}' must contain {{prompt}}")

@@ -11,11 +11,11 @@ import logging
 import math
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Sequence
+
+from gspo.rewards import RewardFn
 
 log = logging.getLogger(__name__)
-
-RewardFn = Callable[..., float]
 
 
 def encode_prompts(tokenizer, rows: Sequence[dict], system_prompt: str | None = None
@@ -40,14 +40,18 @@ MAX_ABS_REWARD = 1e6
 
 
 def score(reward_fn: RewardFn, completions: Sequence[str], rows: Sequence[dict],
-          workers: int = 1, timeout: float | None = None) -> tuple[list[float], int, str | None]:
+          workers: int | None = None, timeout: float | None = None
+          ) -> tuple[list[float], int, str | None]:
     """Rewards of completions[i] against rows[i]; returns (rewards, number of failed calls, the
-    first failure as one line, or None).
+    first failure as one line, or None). Training and evaluation both score through here.
 
     A call fails (scores 0, counted) when it raises (SystemExit included), returns a non-number,
     a non-finite value or one beyond MAX_ABS_REWARD, or runs past `timeout` seconds; a call
     past its timeout is abandoned in its (daemon) thread. workers > 1 scores that many calls at
-    once (for rewards that wait on subprocesses, e.g. code)."""
+    once (for rewards that wait on subprocesses, e.g. code); None takes the reward's own
+    `workers` attribute (CodeReward has one), else 1."""
+    if workers is None:
+        workers = getattr(reward_fn, "workers", None) or 1
     def one(completion: str, row: dict) -> tuple[float, BaseException | None]:
         fields = {k: v for k, v in row.items() if k != "prompt"}
         try:

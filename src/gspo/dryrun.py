@@ -31,7 +31,8 @@ from gspo.data import encode_prompts, score
 from gspo.distributed import Dist, resolve_device
 from gspo.engines import engine_class
 from gspo.errors import ConfigError
-from gspo.tasks import build_task
+from gspo.rewards import close_reward
+from gspo.tasks import build_task, get_task
 from gspo.tasks.datasets import DatasetError
 from gspo.trainer import (build_model, check_launch, data_parallel_mode, fitting_prompts,
                           run_dir_checkpoint)
@@ -116,21 +117,21 @@ def capacity_warning(cfg: Config, memory: dict) -> list[str]:
 
 def try_reward(cfg: Config, reward, solution, row: dict) -> tuple[float, str]:
     """The reward of a sample answer to `row`: its worked solution where the data has one,
-    else the reference answer written out (math) or a placeholder program (code)."""
+    else the task's sample answer (math: the reference answer written out; code: a placeholder
+    program), else the row's reward field as it is."""
     try:
         sample, what = solution(row), "worked solution"
-    except ConfigError:  # no worked solutions: the reference answer, as a model would write it
-        if cfg.data.task == "math":
-            from gspo.rewards.math import reference_text
-            answer = row["answer"][0] if isinstance(row["answer"], list) else row["answer"]
-            sample, what = f"The answer is {reference_text(answer)}.", "reference answer"
+    except ConfigError:  # no worked solutions: an answer as a model would write it
+        task = get_task(cfg.data.task)
+        if task.sample_answer is not None:
+            sample, what = task.sample_answer(row)
         else:
-            sample, what = "```python\nprint()\n```", "placeholder program"
+            sample, what = str(row.get(task.field, "")), "reference answer"
     try:
         (value,), failures, first = score(reward, [sample], [row],
                                           timeout=cfg.data.reward_fn_timeout or None)
     finally:
-        getattr(reward, "close", lambda: None)()
+        close_reward(reward)
     name = getattr(reward, "__name__", type(reward).__name__)
     if failures:
         raise ConfigError(f"the reward {name} failed on a sample answer (a {what}) to the first "

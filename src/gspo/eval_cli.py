@@ -24,6 +24,8 @@ from typing import Sequence
 
 from gspo.evaluation import EvalResult, evaluate, pass_at_k
 from gspo.engines import SamplingParams
+from gspo.rewards import close_reward
+from gspo.tasks import TASKS, file_tasks
 
 TABLE_ROWS = 50  # problems printed; the JSONL always has them all
 
@@ -38,7 +40,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="model directory or hub id (or 'tiny-qwen3', randomly initialised)")
     p.add_argument("--data", required=True, help=".jsonl, .json, .parquet, .csv, a datasets "
                    "directory or a hub dataset id (with data.subset=..., data.split=...)")
-    p.add_argument("--task", required=True, choices=["math", "code"], help="the reward")
+    tasks = {name: TASKS[name] for name in file_tasks()}  # a synthetic task has no file
+    p.add_argument("--task", required=True, choices=list(tasks), help="the task, whose reward "
+                   "scores the samples: " + "; ".join(f"{n}: {t.help}" for n, t in tasks.items()))
     p.add_argument("--k", type=int, default=4, help="samples per problem (the paper: 32)")
     p.add_argument("--output", help="JSONL file (default: eval-<task>-<time>.jsonl)")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="longest response")
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                           batch_size=args.batch_size,
                           system_prompt=data_cfg.system_prompt or None)
     finally:
-        getattr(reward_fn, "close", lambda: None)()
+        close_reward(reward_fn)
         engine.close()
     records = report_records(result, rows, args.k)
     write_jsonl(records, output)

@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from gspo.data import RewardFn, encode_prompts, score
+from gspo.data import encode_prompts, score
 from gspo.engines import RolloutEngine, SamplingParams
+from gspo.rewards import RewardFn
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

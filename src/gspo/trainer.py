@@ -43,6 +43,7 @@ from gspo.distributed import (Dist, Policy, as_local, broadcast_weights, checkpo
 from gspo.errors import TrainingError
 from gspo.evaluation import decode_responses, evaluate
 from gspo.logger import MetricsLogger
+from gspo.rewards import RewardFn, close_reward
 from gspo.runlock import exclusive
 from gspo.signals import Interrupted, StopRequest
 from gspo.lora import (ADAPTER_DIR, LoraUnavailable, add_lora, is_lora, load_adapter,
@@ -296,7 +297,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     train_rows: list[dict]
     eval_rows: list[dict]
-    reward_fn: Callable[..., float]
+    reward_fn: RewardFn
     solution: Callable[[dict], str]          # a row's worked answer, for the warm-up
     ref_policy: Policy | None                # pi_ref, unsharded, when algorithm.beta > 0
     routing: MoeRouting | NoRouting          # record / replay / measure MoE routing
@@ -561,9 +562,7 @@ def close_run(run: Run) -> None:
     state), the reward's resources and the routing hooks."""
     run.engine.close()
     run.routing.close()
-    for fn in run.reward_fn if isinstance(run.reward_fn, (list, tuple)) else [run.reward_fn]:
-        if callable(getattr(fn, "close", None)):  # TODO(merge): gspo.rewards.close_reward
-            fn.close()
+    close_reward(run.reward_fn)
 
 
 def data_parallel_mode(cfg: Config, d: Dist) -> str:
@@ -686,7 +685,7 @@ def rl_step(run: Run, step: int, stop: StopRequest | None = None) -> dict[str, f
     # ---- rewards and group advantages
     rewards, reward_failures, first_error = score(
         run.reward_fn, texts, [row for row in rows for _ in range(G)],
-        workers=getattr(run.reward_fn, "workers", 1), timeout=cfg.data.reward_fn_timeout or None)
+        timeout=cfg.data.reward_fn_timeout or None)
     n, failures = check_reward_failures(run, step, len(rewards), reward_failures, first_error)
     rewards = torch.tensor(rewards, device=run.dist.device)  # (B,)
     adv = group_advantages(rewards, G, cfg.algorithm.advantage_scale)

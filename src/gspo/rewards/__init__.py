@@ -3,8 +3,10 @@
 Built in: `gspo.rewards.math` (math-verify equivalence of the final answer) and
 `gspo.rewards.code` (the program run against the row's tests in the sandbox). A user's own is
 named in the config as `data.reward=module:function` (or `path/to/file.py:function`) and loaded
-by `load_reward`. The trainer scores through `gspo.data.score`, where a reward that raises or
-returns a non-finite value counts 0 and is logged, never killing the run.
+by `load_reward`. Training and evaluation both score through `gspo.data.score`, where a reward
+that raises or returns a non-finite value counts 0 and is logged, never killing the run. A
+reward that holds resources (the code reward's thread pool, the math reward's helper process)
+has a `close()`; `close_reward` calls it when the run or the evaluation ends.
 
 The submodules are imported lazily: the math-verify helper process imports this package and
 should not pay for the sandbox.
@@ -14,12 +16,20 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 from pathlib import Path
 from typing import Callable
 
 from gspo.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 RewardFn = Callable[..., float]
+"""A reward: `f(completion: str, **row_fields) -> float`, called with one completion and every
+field of its row but the prompt (e.g. `answer=` or `tests=`), so it declares the fields it reads
+and takes `**_` for the rest. Any callable object will do; one with a `close()` is closed by
+`close_reward`. An alias rather than a Protocol: each reward names its own fields, which no
+one signature could spell."""
 
 
 def load_reward(spec: str) -> RewardFn:
@@ -51,3 +61,19 @@ def load_reward(spec: str) -> RewardFn:
         raise ConfigError(f"data.reward '{spec}': '{attr}' is a {type(fn).__name__}, not a "
                           f"callable f(completion, **row_fields) -> float")
     return fn
+
+
+def close_reward(fn) -> None:
+    """Release what a reward holds: `fn.close()` where it has one, for a list of rewards each
+    one's. A plain function has nothing to close. The built-in rewards start their pool or
+    helper again if called after it. Never raises: it runs in `finally` blocks, where a failing
+    close would hide the error that ended the run, so a failure is logged instead."""
+    for f in fn if isinstance(fn, (list, tuple)) else [fn]:
+        close = getattr(f, "close", None)
+        if not callable(close):
+            continue
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 - a user's reward; the others still get closed
+            log.warning("closing reward %s failed: %s: %s",
+                        getattr(f, "__name__", type(f).__name__), type(e).__name__, e)

@@ -1,28 +1,109 @@
-"""Prompt sources with verifiable rewards. Rows are dicts with at least 'prompt' and the fields
-their reward reads ('answer' for arithmetic and math, 'tests' for code).
+"""Tasks: where a run's prompts come from and how their answers are rewarded, by name.
 
     arithmetic   the synthetic default (gspo.tasks.arithmetic), exact-match reward
-    math         rows from data.path (gspo.tasks.datasets), math-verify reward
-    code         rows from data.path, tests run in the sandbox (gspo.rewards.code)
+    math         rows from data.path (gspo.tasks.math), math-verify reward
+    code         rows from data.path, tests run in the sandbox (gspo.tasks.code)
+
+Each is a TaskSpec in TASKS, which data.task names; config validation, `build_task`,
+`build_reward` and the row mapping (gspo.tasks.datasets.map_row) all read it. A new task is one
+module (its rows or the parsing of its field, its reward) and one `register_task` line. Rows are
+dicts with at least 'prompt' and the field their reward reads ('answer' for arithmetic and
+math, 'tests' for code).
 
 `build_task` returns (train rows, held-out rows, reward function, worked-solution function).
-Rows come from data.path / data.eval_path, or from Python (`train_data` / `eval_data`: a list
-of dicts or a `datasets.Dataset`, mapped through the same data.* fields and checks as a file);
-a Python `reward_fn` replaces data.reward.
-The solution function feeds the supervised warm-up: for math and code it returns the row's
-`data.solution_field`; without one it raises ConfigError saying to set warmup.steps=0, which
-the trainer meets (and the CLI prints) at the first warm-up step.
+Rows are generated (a synthetic task) or come from data.path / data.eval_path, or from Python
+(`train_data` / `eval_data`: a list of dicts or a `datasets.Dataset`, mapped through the same
+data.* fields and checks as a file); a Python `reward_fn` replaces data.reward.
+The solution function feeds the supervised warm-up: the task's own (arithmetic), else the
+row's `data.solution_field`; without one it raises ConfigError saying to set warmup.steps=0,
+which the trainer meets (and the CLI prints) at the first warm-up step.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from gspo.errors import ConfigError
-from gspo.tasks import arithmetic
+from gspo.rewards import RewardFn, close_reward, load_reward
+from gspo.tasks import arithmetic, code, math
 
-RewardFn = Callable[..., float]
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What data.task=NAME trains on and how it is rewarded. The callables take the
+    DataConfig `d` where they need settings."""
+
+    name: str
+    help: str
+    """one line: how answers are scored (and where the prompts come from, if generated)"""
+    make_reward: Callable[[Any], RewardFn]
+    """d -> the task's own reward (used when data.reward is empty)"""
+    make_rows: Callable[[Any], tuple[list[dict], list[dict]]] | None = None
+    """d -> (train, held-out) rows of a synthetic task; None: rows are read from data.path (or
+    given from Python), each mapped by gspo.tasks.datasets.map_row"""
+    field: str = "answer"
+    """the row field the reward reads; read from the column data.<field>_field names where
+    DataConfig has that setting (answer_field, tests_field), else from the column `field`"""
+    parse: Callable[[Any, dict, Any], Any] | None = None
+    """(the column's value, the raw row, d) -> the row's `field`, ValueError when malformed;
+    None keeps the value as it is"""
+    also_reads: tuple[str, ...] = ()
+    """DataConfig settings naming further columns `parse` reads, which are then not passed on
+    as the row's other fields (code: fn_name_field)"""
+    solution: Callable[[dict], str] | None = None
+    """row -> the worked answer the supervised warm-up imitates; None: data.solution_field"""
+    sample_answer: Callable[[dict], tuple[str, str]] | None = None
+    """row -> (an answer as a model would write it, what it is): what the dry run scores where
+    the rows have no worked solution; None: the row's `field` as text"""
+
+    def setting(self, d) -> str | None:
+        """The DataConfig setting that names the column holding `field` (answer_field,
+        tests_field), or None where DataConfig has none: the column is then named `field`."""
+        key = f"{self.field}_field"
+        return key if hasattr(d, key) else None
+
+    def column(self, d) -> str:
+        """The data file's column holding `field`."""
+        key = self.setting(d)
+        return getattr(d, key) if key else self.field
+
+
+TASKS: dict[str, TaskSpec] = {}
+"""name -> TaskSpec; data.task=NAME selects one and data.reward=NAME its reward."""
+
+
+def register_task(spec: TaskSpec) -> TaskSpec:
+    """Make data.task=spec.name select `spec` (a new name only); returns it."""
+    if not spec.name or ":" in spec.name:  # data.reward tells module:function by the colon
+        raise ValueError(f"a task name must be non-empty and without ':', got {spec.name!r}")
+    if spec.name in TASKS:
+        raise ValueError(f"task {spec.name!r} is already registered")
+    TASKS[spec.name] = spec
+    return spec
+
+
+def get_task(name: str) -> TaskSpec:
+    """The TASKS entry `name`, or a ConfigError listing the known ones (in the config's
+    format for a value outside a field's choices)."""
+    if name not in TASKS:
+        raise ConfigError(f"data.task must be one of {' | '.join(TASKS)}, got {name!r}")
+    return TASKS[name]
+
+
+def file_tasks() -> list[str]:
+    """The names of the tasks whose rows are read from data.path."""
+    return [name for name, spec in TASKS.items() if spec.make_rows is None]
+
+
+register_task(TaskSpec("arithmetic", "generated integer arithmetic, the answer matched exactly",
+                       arithmetic.reward, make_rows=arithmetic.rows, solution=arithmetic.solution))
+register_task(TaskSpec("math", "final answers checked against the reference with math-verify",
+                       math.reward, parse=math.parse_answer, sample_answer=math.sample_answer))
+register_task(TaskSpec("code", "programs run against the row's tests in the sandbox",
+                       code.reward, field="tests", parse=code.parse_tests,
+                       also_reads=("fn_name_field",), sample_answer=code.sample_answer))
 
 
 def build_task(d, train_data=None, eval_data=None, reward_fn=None,
@@ -31,17 +112,23 @@ def build_task(d, train_data=None, eval_data=None, reward_fn=None,
     """(train rows, held-out rows, reward function, worked-solution function) of a DataConfig,
     with rows and reward given from Python in place of data.path / data.eval_path /
     data.reward. bad_rows: see gspo.tasks.datasets.map_rows."""
+    task = get_task(d.task)
     reward = user_reward(reward_fn, d) if reward_fn is not None else None
-    if d.task == "arithmetic":
+    if task.make_rows is not None:
         if train_data is not None or eval_data is not None:
-            raise ConfigError("train_data / eval_data rows are read with data.task=math or code "
-                              "(their fields mapped by data.prompt_field, data.answer_field or "
-                              "data.tests_field); set data.task")
-        train_rows, eval_rows = arithmetic.make_splits(d.n_train, d.n_eval, d.digits,
-                                                       d.operations, d.seed)
-        if reward is None:
-            reward = build_reward(d) if d.reward else arithmetic.exact_match_reward
-        return train_rows, eval_rows, reward, arithmetic.solution
+            raise ConfigError(f"train_data / eval_data rows are read with data.task="
+                              f"{' or '.join(file_tasks())} (their fields mapped by "
+                              f"data.prompt_field, data.answer_field or data.tests_field); set "
+                              f"data.task")
+        train_rows, eval_rows = task.make_rows(d)
+    else:
+        train_rows, eval_rows = _read_rows(d, train_data, eval_data, bad_rows)
+    solution = task.solution or _solution_fn(d)
+    return train_rows, eval_rows, build_reward(d) if reward is None else reward, solution
+
+
+def _read_rows(d, train_data, eval_data, bad_rows) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) rows of a task read from data.path / data.eval_path or Python rows."""
     from gspo.tasks.datasets import DatasetError, load_rows, map_rows, python_rows
 
     def rows_of(data, what, key, split):  # Python rows, else the file, else None
@@ -59,17 +146,14 @@ def build_task(d, train_data=None, eval_data=None, reward_fn=None,
                           f"id), or from Python pass train(..., train_data=rows)")
     held_out = rows_of(eval_data, "eval_data", "eval_path", d.eval_split or d.split)
     if held_out is not None:
-        train_rows, eval_rows = rows, held_out
-    else:
-        if d.n_eval >= len(rows):
-            raise DatasetError(f"data.n_eval={d.n_eval} would hold out every one of the "
-                               f"{len(rows)} rows of {d.path or 'train_data'}; lower data.n_eval or set "
-                               f"data.eval_path")
-        order = list(range(len(rows)))
-        random.Random(d.seed).shuffle(order)
-        eval_rows = [rows[i] for i in sorted(order[:d.n_eval])]
-        train_rows = [rows[i] for i in sorted(order[d.n_eval:])]
-    return train_rows, eval_rows, build_reward(d) if reward is None else reward, _solution_fn(d)
+        return rows, held_out
+    if d.n_eval >= len(rows):
+        raise DatasetError(f"data.n_eval={d.n_eval} would hold out every one of the "
+                           f"{len(rows)} rows of {d.path or 'train_data'}; lower data.n_eval or "
+                           f"set data.eval_path")
+    order = list(range(len(rows)))
+    random.Random(d.seed).shuffle(order)
+    return [rows[i] for i in sorted(order[d.n_eval:])], [rows[i] for i in sorted(order[:d.n_eval])]
 
 
 def user_reward(reward_fn, d) -> RewardFn:
@@ -89,30 +173,16 @@ def user_reward(reward_fn, d) -> RewardFn:
         return sum(float(f(completion, **fields)) for f in fns)
 
     summed.__name__ = "+".join(getattr(f, "__name__", "reward") for f in fns)
+    summed.close = lambda: close_reward(fns)  # so that closing the sum closes each part
     return summed
 
 
 def build_reward(d, task: str | None = None) -> RewardFn:
-    """data.reward (a built-in name or 'module:function'), else the task's own reward."""
+    """data.reward (a task's name, for its reward, or 'module:function'), else the reward of
+    `task` (default data.task)."""
     name = d.reward or task or d.task
-    if name == "arithmetic":
-        return arithmetic.exact_match_reward
-    if name == "math":
-        from gspo.rewards.math import MathReward
-
-        return MathReward(timeout=d.reward_timeout, format_weight=d.format_weight)
-    if name == "code":
-        from gspo.rewards.code import CodeReward
-        from gspo.sandbox import Limits
-
-        limits = Limits(wall_s=d.code_timeout, cpu_s=d.code_timeout,
-                        memory_mb=d.code_memory_mb)
-        reward = CodeReward(mode=d.reward_mode, format_weight=d.format_weight, limits=limits,
-                            workers=d.code_workers or None, python=d.code_python or None)
-        reward.check()  # at start, not after a run of all-zero rewards
-        return reward
-    from gspo.rewards import load_reward
-
+    if name in TASKS:
+        return TASKS[name].make_reward(d)
     return load_reward(name)
 
 

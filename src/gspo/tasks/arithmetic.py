@@ -3,13 +3,16 @@
 A row is ``{"prompt": "47+85=", "answer": "132"}``. The train and held-out splits are drawn
 from one seeded generator and never share a problem. The reward is exact match on the
 extracted answer: the response must be the integer alone (surrounding whitespace allowed);
-anything else scores 0 and never raises.
+anything else scores 0 and never raises. `rows`, `reward` and `solution` are what gspo.tasks
+registers as data.task=arithmetic.
 """
 
 from __future__ import annotations
 
 import random
 import re
+
+from gspo.rewards import RewardFn
 
 _ANSWER = re.compile(r"\s*(-?\d+)\s*")
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -53,3 +56,13 @@ def exact_match_reward(completion: str, answer: str = "", **_: object) -> float:
 def solution(row: dict) -> str:
     """The worked answer used by the supervised warm-up."""
     return row["answer"]
+
+
+def rows(d) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) rows of a DataConfig: data.n_train, n_eval, digits, operations, seed."""
+    return make_splits(d.n_train, d.n_eval, d.digits, d.operations, d.seed)
+
+
+def reward(d) -> RewardFn:
+    """The task's own reward, which no data.* setting changes: exact match."""
+    return exact_match_reward

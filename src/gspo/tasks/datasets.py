@@ -4,9 +4,10 @@
 `datasets.Dataset`, given to `gspo.train`).
 
 A DataConfig maps the file's fields onto a row: `prompt_field` (the user turn, passed through
-`prompt_template`), `answer_field` (math), `tests_field` (code; see gspo.rewards.code for the
-formats), `solution_field` (optional: the worked solution the supervised warm-up imitates) and
-`fn_name_field` (code, optional: the function call-based tests call). A row comes out as
+`prompt_template`), `answer_field` (math), `tests_field` (code; gspo.rewards.code_tests reads
+its formats), `solution_field` (optional: the worked solution the supervised warm-up imitates)
+and `fn_name_field` (code, optional: the function call-based tests call). The task (its
+gspo.tasks.TaskSpec) says which field its reward reads and how to parse it. A row comes out as
 
     {"prompt": ..., "answer": ... | "tests": [...], "solution": ...?, <the file's other fields>}
 
@@ -27,7 +28,7 @@ from typing import Any, Iterable, Iterator
 
 from gspo.errors import ConfigError
 from gspo.hub import hub_unreachable, looks_like_hub_id
-from gspo.rewards.code import normalize_tests
+from gspo.tasks import get_task
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +147,12 @@ class _BadRow:
     error: str
 
 
-def _field(raw: dict, name: str, what: str) -> Any:
+def _field(raw: dict, name: str, what: str, setting: bool = True) -> Any:
+    """raw[name], the `what` of the row; setting: DataConfig has data.<what>_field to name it."""
     if name not in raw:
         raise ValueError(f"field '{name}' ({what}) is missing; the row has "
-                         f"{', '.join(map(str, raw)) or 'no fields'} (set data.{what}_field)")
+                         f"{', '.join(map(str, raw)) or 'no fields'}"
+                         + (f" (set data.{what}_field)" if setting else ""))
     value = raw[name]
     if value is None or (isinstance(value, str) and not value.strip()):
         raise ValueError(f"field '{name}' ({what}) is empty")
@@ -157,7 +160,9 @@ def _field(raw: dict, name: str, what: str) -> Any:
 
 
 def map_row(raw: Any, d, task: str) -> dict:
-    """One row in the trainer's shape; ValueError naming the field when it cannot be."""
+    """One row in the trainer's shape for `task` (a gspo.tasks.TASKS name), its reward's field
+    read and parsed as the task says; ValueError naming the field when it cannot be."""
+    spec = get_task(task)
     if isinstance(raw, _BadRow):
         raise ValueError(raw.error)
     if not isinstance(raw, dict):
@@ -166,21 +171,13 @@ def map_row(raw: Any, d, task: str) -> dict:
     if not isinstance(prompt, str):
         raise ValueError(f"field '{d.prompt_field}' (prompt) must be text, got "
                          f"{type(prompt).__name__}")
-    mapped = {d.prompt_field}
-    row = {}
-    if task == "math":
-        answer = _field(raw, d.answer_field, "answer")
-        # several accepted forms stay a list (the math reward takes any one of them)
-        row["answer"] = ([str(a).strip() for a in answer] if isinstance(answer, (list, tuple))
-                         else str(answer).strip())
-        mapped.add(d.answer_field)
-    elif task == "code":
-        fn_name = raw.get(d.fn_name_field) if d.fn_name_field else None
-        try:
-            row["tests"] = normalize_tests(_field(raw, d.tests_field, "tests"), fn_name or None)
-        except ValueError as e:
-            raise ValueError(f"field '{d.tests_field}' (tests): {e}") from None
-        mapped.update({d.tests_field, d.fn_name_field})
+    column = spec.column(d)
+    value = _field(raw, column, spec.field, setting=spec.setting(d) is not None)
+    try:
+        row = {spec.field: value if spec.parse is None else spec.parse(value, raw, d)}
+    except ValueError as e:
+        raise ValueError(f"field '{column}' ({spec.field}): {e}") from None
+    mapped = {d.prompt_field, column, *(getattr(d, key) for key in spec.also_reads)}
     if d.solution_field:
         row["solution"] = str(_field(raw, d.solution_field, "solution"))
         mapped.add(d.solution_field)
