@@ -81,3 +81,16 @@ def test_the_readme_example_with_a_python_reward_and_python_rows_runs(tmp_path):
     import yaml
     data = yaml.safe_load((run / "config.yaml").read_text())["data"]
     assert data["path"] == "" and data["reward"] == ""  # the rows and reward came from Python
+
+
+def test_the_readme_layout_matches_the_package_tree():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Layout"):]
+    section = section[:section.index("\n## ", 1)] if "\n## " in section[1:] else section
+    listed = {line.split()[0].rstrip("/") for line in section.splitlines()
+              if line.strip().startswith("src/gspo/")}
+    package = ROOT / "src" / "gspo"
+    tree = {f"src/gspo/{p.name}" for p in package.iterdir()
+            if (p.suffix == ".py" and p.name != "__main__.py") or (p / "__init__.py").is_file()}
+    assert sorted(tree - listed) == [], "modules missing from the README's Layout section"
+    assert sorted(listed - tree) == [], "the README's Layout section lists what is not there"
