@@ -70,9 +70,9 @@ def test_two_ranks_give_the_single_process_update(tmp_path, aggregation, mode):
     # Adam's first step barely depends on the gradient's scale: compare the gradients too
     for k, g in one["grads"].items():
         torch.testing.assert_close(two["grads"][k], g, rtol=1e-4, atol=1e-7, msg=k)
-    for k in ("loss", "clip_frac", "ratio_mean", "ratio_min", "ratio_max", "kl_old", "grad_norm"):
+    for k in (M.LOSS, M.CLIP_FRAC, M.RATIO_MEAN, M.RATIO_MIN, M.RATIO_MAX, M.KL_OLD, M.GRAD_NORM):
         assert two["metrics"][k] == pytest.approx(one["metrics"][k], abs=1e-5), k
-    assert one["metrics"]["grad_norm"] > 0
+    assert one["metrics"][M.GRAD_NORM] > 0
 
 
 def test_two_process_train_then_resume_on_one(tmp_path):
