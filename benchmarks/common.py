@@ -18,6 +18,9 @@ from pathlib import Path
 import torch
 
 RESULT_PREFIX = "BENCH-RESULT "
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "examples" / "configs" / "smollm2_addition.yaml"
+"""The real-model recipe: SmolLM2-135M-Instruct, 2-digit sums asked in \\boxed{}, math-verify."""
 
 
 def add_model_args(p) -> None:
@@ -27,6 +30,27 @@ def add_model_args(p) -> None:
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--intermediate-size", type=int, default=512)
+
+
+def resolve_model(name_or_dir: str) -> str:
+    """A `gspo fetch-model` name (e.g. smollm2-135m-instruct) as its converted directory, made
+    once and cached; a directory or hub id as it is."""
+    from gspo.pretrained import MODELS, fetch_model
+
+    return str(fetch_model(name_or_dir)) if name_or_dir in MODELS else name_or_dir
+
+
+def recipe_config(model: str, overrides: list[str]):
+    """The Config of RECIPE on `model`, its data files found from any working directory,
+    evaluation, checkpoints and progress bars off, then `overrides`."""
+    from gspo.config import load_config
+
+    data = ROOT / "examples" / "data"
+    return load_config(RECIPE, [
+        f"model.name_or_path={model}", f"data.path={data / 'addition_train.jsonl'}",
+        f"data.eval_path={data / 'addition_heldout.jsonl'}", "train.eval_every=0",
+        f"train.save_every={10**9}", "train.progress=false", "train.tensorboard=false",
+        *overrides])
 
 
 def peak_rss_mb() -> float:

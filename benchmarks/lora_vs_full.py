@@ -21,10 +21,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median, table, write_json  # noqa: E402
+from common import RECIPE, ROOT, median, table, write_json  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-RECIPE = ROOT / "examples" / "configs" / "smollm2_addition.yaml"
 PHASES = ("time/rollout_s", "time/old_logp_s", "time/update_s")
 
 

@@ -16,7 +16,6 @@ chunk's (chunk, V) float32 logits.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import threading
@@ -24,10 +23,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import current_rss_mb, table, write_json  # noqa: E402
+from common import RECIPE, current_rss_mb, recipe_config, table, write_json  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-RECIPE = ROOT / "examples" / "configs" / "smollm2_addition.yaml"
 MB = 2 ** 20
 
 
@@ -81,14 +78,11 @@ def main(argv=None) -> int:
     a = parse(argv)
     import torch
 
-    from gspo.config import load_config
     from gspo.trainer import generate, old_policy, prepare, rl_step, step_prompts, update
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    os.chdir(ROOT)  # the recipe's data paths are relative to the repository
-    cfg = load_config(RECIPE, [f"model.name_or_path={a.model}", "train.eval_every=0",
-                               "train.progress=false", "train.tensorboard=false", *a.overrides])
+    cfg = recipe_config(a.model, a.overrides)
     phases = []
     with tempfile.TemporaryDirectory() as d:
         with PeakRSS() as m:

@@ -2,14 +2,19 @@
 
     .venv/bin/python benchmarks/profile_step.py --threads 1                  # vs_trl.py's settings
     .venv/bin/python benchmarks/profile_step.py --threads 1 --max-new-tokens 32
+    .venv/bin/python benchmarks/profile_step.py --threads 1 --model smollm2-135m-instruct \
+        --prompts 4 --max-new-tokens 128 --steps 2                              # the real model
 
 Phases as the trainer times them (rollout, pi_old recompute, update = `minibatches` AdamW
-steps), medians over `--steps` RL steps after 2 warm-up steps. Then each phase runs again under
+steps), medians over `--steps` RL steps after `--warmup-steps`. Then each phase runs again under
 torch.profiler on one fixed rollout batch: "GEMM" is the self time of aten::mm / addmm / bmm /
 linear kernels, its rate their counted FLOPs over that time; everything else (elementwise
 ops, attention, autograd and Python overhead) is "other". A phase whose GEMMs already run near
 the CPU's large-GEMM rate (printed) can only get faster by spending less time in "other" or by
 doing fewer FLOPs.
+
+`--model` takes a real model (a directory, or a `gspo fetch-model` name) on the task of the
+recipe examples/configs/smollm2_addition.yaml in place of the tiny Qwen3 on generated sums.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
-from common import add_model_args, matmul_gflops, median, table, write_json  # noqa: E402
+from common import (add_model_args, matmul_gflops, median, recipe_config,  # noqa: E402
+                    resolve_model, table, write_json)
 
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
@@ -31,11 +37,16 @@ GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 def parse():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
+    p.add_argument("--model", help="a Hugging Face model directory or a `gspo fetch-model` name "
+                                   "(e.g. smollm2-135m-instruct) in place of the tiny Qwen3")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--minibatches", type=int, default=4)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8, help="timed RL steps")
+    p.add_argument("--warmup-steps", type=int, default=2, help="RL steps before the timed ones")
+    p.add_argument("--profile-repeats", type=int, default=3,
+                   help="profiled calls of each phase (after one unprofiled)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
     p.add_argument("--json", default=None)
     return p.parse_args()
@@ -65,17 +76,20 @@ def main() -> None:
     import gspo.trainer as trainer
     from gspo.config import load_config
 
-    cfg = load_config(overrides=[
-        f"model.hidden_size={a.hidden_size}", f"model.num_layers={a.num_layers}",
-        f"model.num_heads={a.num_heads}", f"model.num_kv_heads={a.num_kv_heads}",
-        f"model.intermediate_size={a.intermediate_size}",
-        "data.n_train=2000", "data.n_eval=8", "data.digits=2", "data.operations=+",
-        f"rollout.group_size={a.group_size}", f"rollout.prompts_per_step={a.prompts}",
-        f"rollout.max_new_tokens={a.max_new_tokens}", "algorithm=gspo",
-        f"algorithm.minibatches={a.minibatches}", "optim.lr=1e-5", "warmup.steps=0",
-        "train.eval_every=0", "train.progress=false", "train.tensorboard=false"])
+    step = [f"rollout.group_size={a.group_size}", f"rollout.prompts_per_step={a.prompts}",
+            f"rollout.max_new_tokens={a.max_new_tokens}", "algorithm=gspo",
+            f"algorithm.minibatches={a.minibatches}", "optim.lr=1e-5", "warmup.steps=0",
+            "train.eval_every=0", "train.progress=false", "train.tensorboard=false"]
+    if a.model:
+        cfg = recipe_config(resolve_model(a.model), ["model.dtype=float32", *step])
+    else:
+        cfg = load_config(overrides=[
+            f"model.hidden_size={a.hidden_size}", f"model.num_layers={a.num_layers}",
+            f"model.num_heads={a.num_heads}", f"model.num_kv_heads={a.num_kv_heads}",
+            f"model.intermediate_size={a.intermediate_size}",
+            "data.n_train=2000", "data.n_eval=8", "data.digits=2", "data.operations=+", *step])
     run = trainer.prepare(cfg, Path(tempfile.mkdtemp()), resume=False)
-    rows = [trainer.rl_step(run, step) for step in range(2 + a.steps)][2:]
+    rows = [trainer.rl_step(run, i) for i in range(a.warmup_steps + a.steps)][a.warmup_steps:]
     phases = {"rollout": "time/rollout_s", "pi_old": "time/old_logp_s", "update": "time/update_s"}
     ms = {name: 1e3 * median([r[key] for r in rows]) for name, key in phases.items()}
     step_ms = sum(ms.values())
@@ -90,7 +104,7 @@ def main() -> None:
     peak = matmul_gflops()
     out = []
     for name, fn in calls.items():
-        p = profile(fn)
+        p = profile(fn, a.profile_repeats)
         gemm_ms = ms[name] * p["gemm_share"]
         out.append({"phase": name, "ms": ms[name], "share": ms[name] / step_ms,
                     "gemm_ms": gemm_ms, "other_ms": ms[name] - gemm_ms,
@@ -99,7 +113,8 @@ def main() -> None:
     out.append({"phase": "step", "ms": step_ms, "share": 1.0,
                 "gemm_ms": sum(o["gemm_ms"] for o in out),
                 "other_ms": sum(o["other_ms"] for o in out)})
-    print(f"\nprofile_step: tiny Qwen3 hidden {a.hidden_size} x {a.num_layers} layers, "
+    name = a.model or f"tiny Qwen3 hidden {a.hidden_size} x {a.num_layers} layers"
+    print(f"\nprofile_step: {name}, "
           f"{a.prompts} prompts x G {a.group_size}, {a.max_new_tokens} new tokens, "
           f"{a.minibatches} minibatches, {a.threads or 'default'} thread(s); large-GEMM rate "
           f"(torch.mm 1024^3) {peak:.1f} GFLOP/s\n")

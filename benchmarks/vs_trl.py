@@ -1,10 +1,13 @@
 """gspo against TRL's GRPOTrainer running GSPO, side by side on the same work.
 
     python benchmarks/vs_trl.py [--steps 4] [--repeats 3] [--max-new-tokens 8] [--threads 1] ...
+    python benchmarks/vs_trl.py --model smollm2-135m-instruct --max-new-tokens 128 ...
 
 One tiny Qwen3 model, its tokenizer and the arithmetic prompt set are built once and saved to a
-temporary directory; each system then trains from those exact weights in a fresh subprocess, the
-runs alternating gspo, trl, gspo-rollout-logp, gspo, trl, ... so that all see the same background
+temporary directory (or, with `--model`, a real model is taken as it is, on the task of the
+recipe examples/configs/smollm2_addition.yaml: 2-digit sums asked in \\boxed{}, scored by
+math-verify on both sides); each system then trains from those exact weights in a fresh
+subprocess, the runs alternating gspo, trl, gspo-rollout-logp, gspo, trl, ... so that all see the same background
 load and ru_maxrss is a per-system peak. The parent prints, per system and as ratios to TRL:
 completions per second end to end (completions generated / wall time of all RL steps, from the
 end of the model build to the end of the last step), the median wall time per RL step,
@@ -62,6 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     common.add_model_args(p)
+    p.add_argument("--model", help="a Hugging Face model directory or a `gspo fetch-model` name "
+                                   "(e.g. smollm2-135m-instruct) in place of the tiny Qwen3; the "
+                                   "task becomes the SmolLM2 recipe's (chat template, math-verify)")
     p.add_argument("--systems", default="gspo,trl,gspo-rollout-logp",
                    help="comma-separated, in alternation order: gspo (pi_old recomputed, as TRL "
                         "does), gspo-rollout-logp (algorithm.old_logprobs=rollout: the sampler's "
@@ -84,14 +90,22 @@ DATA = dict(n_train=2000, n_eval=8, digits=2, operations="+", seed=1234)
 # workers: one system, one run, in a fresh process
 
 
-def gspo_worker(a) -> dict:
-    import gspo.trainer as trainer
+def task_config(a, overrides: list[str]):
+    """The Config both systems read their task from: the recipe's on a real model, else the
+    generated arithmetic of DATA on the tiny one."""
     from gspo.config import load_config
 
+    if a.model:
+        return common.recipe_config(a.model_dir, ["model.dtype=float32", *overrides])
+    return load_config(overrides=[f"model.name_or_path={a.model_dir}", "model.dtype=float32",
+                                  *[f"data.{k}={v}" for k, v in DATA.items()], *overrides])
+
+
+def gspo_worker(a) -> dict:
+    import gspo.trainer as trainer
+
     B = a.prompts * a.group_size
-    cfg = load_config(overrides=[
-        f"model.name_or_path={a.model_dir}", "model.dtype=float32",
-        *[f"data.{k}={v}" for k, v in DATA.items()],
+    cfg = task_config(a, [
         f"rollout.group_size={a.group_size}", f"rollout.prompts_per_step={a.prompts}",
         f"rollout.max_new_tokens={a.max_new_tokens}", f"rollout.temperature={a.temperature}",
         f"rollout.top_p={a.top_p}",
@@ -125,7 +139,7 @@ def gspo_worker(a) -> dict:
     trainer.save_checkpoint = lambda *args, **kwargs: None  # TRL saves nothing either
     with tempfile.TemporaryDirectory() as run_dir:
         trainer.train(cfg, Path(run_dir) / "run")
-    return _result(marks["built"][0], marks["steps"], tokens, B)
+    return {**_result(marks["built"][0], marks["steps"], tokens, B), "task": cfg.data.task}
 
 
 def trl_worker(a) -> dict:
@@ -134,25 +148,28 @@ def trl_worker(a) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from gspo.tasks.arithmetic import exact_match_reward, make_splits
+    from gspo.rewards import close_reward
+    from gspo.tasks import build_task
 
     torch.manual_seed(a.seed)
     B = a.prompts * a.group_size
     tokenizer = AutoTokenizer.from_pretrained(a.model_dir)
     model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32)
-    train_rows, _ = make_splits(DATA["n_train"], DATA["n_eval"], DATA["digits"],
-                                DATA["operations"], DATA["seed"])
-    # The chat template applied here, exactly as gspo's encode_prompts does, so TRL tokenises
-    # the same text (the character tokenizer adds no special tokens).
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}],
-                                           tokenize=False, add_generation_prompt=True)
-             for r in train_rows]
-    dataset = Dataset.from_dict({"prompt": texts, "answer": [r["answer"] for r in train_rows]})
+    # gspo's own rows and reward function, so that both systems score the same way
+    task = task_config(a, []).data
+    train_rows, _, reward_fn, _ = build_task(task)
+    # Conversational prompts: TRL applies the chat template as gspo's encode_prompts does
+    # (add_generation_prompt, no special tokens beyond the template's).
+    dataset = Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": r["prompt"]}] for r in train_rows],
+        "answer": [r["answer"] for r in train_rows]})
     tokens: list[float] = []
 
     def reward(completions, completion_ids, answer, **_):
         tokens.append(sum(len(ids) for ids in completion_ids))  # eos included, as gspo counts
-        return [exact_match_reward(c, answer=x) for c, x in zip(completions, answer)]
+        # TRL hands conversational completions over as [{"role": "assistant", "content": ...}]
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [reward_fn(c, answer=x) for c, x in zip(texts, answer)]
 
     marks: dict[str, list[float]] = {"begin": [], "steps": []}
 
@@ -182,14 +199,16 @@ def trl_worker(a) -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[Clock()])
     trainer.train()
-    return _result(marks["begin"][0], marks["steps"], tokens, B)
+    close_reward(reward_fn)
+    return {**_result(marks["begin"][0], marks["steps"], tokens, B), "task": task.task}
 
 
 def _result(t_start: float, step_ends: list[float], tokens: list[float], B: int) -> dict:
     bounds = [t_start, *step_ends]
     step_s = [b - a for a, b in zip(bounds, bounds[1:])]
     total = step_ends[-1] - t_start
-    return {"completions": B * len(step_ends), "tokens": float(sum(tokens)), "total_s": total,
+    return {"completions": B * len(step_ends), "tokens": float(sum(tokens)), "step_tokens": tokens,
+            "total_s": total,
             "completions_per_s": B * len(step_ends) / total, "tokens_per_s": sum(tokens) / total,
             "step_s": step_s, "step_s_median": common.median(step_s),
             "peak_rss_mb": common.peak_rss_mb()}
@@ -226,9 +245,9 @@ def main(argv=None) -> int:
                                                                       "--systems"})
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = common.save_tiny_model(Path(tmp) / "model", a.hidden_size, a.num_layers,
-                                           a.num_heads, a.num_kv_heads, a.intermediate_size,
-                                           seed=a.seed)
+        model_dir = common.resolve_model(a.model) if a.model else common.save_tiny_model(
+            Path(tmp) / "model", a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads,
+            a.intermediate_size, seed=a.seed)
         for rep in range(a.repeats):
             for s in systems:
                 r = common.run_worker(__file__, [*passthrough, "--worker", s,
@@ -253,7 +272,8 @@ def main(argv=None) -> int:
                      if k in x}}
                  for x in rows if x["system"] != "trl"]
     B = a.prompts * a.group_size
-    print(f"\nvs_trl: tiny Qwen3 hidden {a.hidden_size} x {a.num_layers} layers, B = {a.prompts} "
+    name = a.model or f"tiny Qwen3 hidden {a.hidden_size} x {a.num_layers} layers"
+    print(f"\nvs_trl: {name}, B = {a.prompts} "
           f"prompts x G {a.group_size} = {B}, {a.max_new_tokens} new tokens, "
           f"{a.minibatches} optimiser steps per rollout, {a.steps} RL steps x {a.repeats} runs "
           f"per system (medians over runs), {a.threads or 'default'} threads\n")

@@ -52,6 +52,23 @@ def test_vs_trl_benchmark_runs(tmp_path):
               *TINY, tmp_path=tmp_path)
     systems = {r["system"] for r in res["rows"]}
     assert {"gspo", "trl", "gspo / trl"} <= systems
+    assert all(r["completions"] == 4 and r["task"] == "arithmetic"
+               for runs in res["runs"].values() for r in runs)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None,
+                    reason="TRL is not installed (pip install -e '.[bench]')")
+def test_vs_trl_on_a_model_directory_takes_the_recipes_task(tmp_path):
+    # --model: a saved model instead of the built one, prompted through its chat template and
+    # scored by math-verify on both sides (the SmolLM2 recipe's task); a tiny model keeps it quick
+    sys.path.insert(0, str(BENCH))
+    from common import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "model", 32, 1, 2, 1, 64)
+    res = run("vs_trl.py", "--model", str(model), "--steps", "1", "--repeats", "1", "--prompts",
+              "2", "--group-size", "2", "--max-new-tokens", "3", "--systems", "gspo,trl",
+              "--no-flops", tmp_path=tmp_path)
+    assert [r["task"] for runs in res["runs"].values() for r in runs] == ["math", "math"]
     assert all(r["completions"] == 4 for runs in res["runs"].values() for r in runs)
 
 
@@ -74,6 +91,17 @@ def test_profile_step_benchmark_splits_the_step_into_phases(tmp_path):
     assert rows["step"]["ms"] == pytest.approx(sum(rows[p]["ms"] for p in ("rollout", "pi_old", "update")))
     assert all(0 < rows[p]["gemm_share"] < 1 and rows[p]["gemm_gflop"] > 0
                for p in ("rollout", "pi_old", "update"))
+
+
+def test_profile_step_on_a_model_directory(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    from common import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "model", 32, 1, 2, 1, 64)
+    res = run("profile_step.py", "--model", str(model), "--prompts", "2", "--group-size", "2",
+              "--max-new-tokens", "3", "--minibatches", "2", "--steps", "1", "--warmup-steps", "1",
+              "--profile-repeats", "1", tmp_path=tmp_path)
+    assert {r["phase"] for r in res["rows"]} == {"rollout", "pi_old", "update", "step"}
 
 
 def test_lora_vs_full_benchmark_runs(tmp_path):
