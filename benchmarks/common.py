@@ -35,9 +35,9 @@ def add_model_args(p) -> None:
 def resolve_model(name_or_dir: str) -> str:
     """A `gspo fetch-model` name (e.g. smollm2-135m-instruct) as its converted directory, made
     once and cached; a directory or hub id as it is."""
-    from gspo.pretrained import MODELS, fetch_model
+    from gspo import PRETRAINED, fetch_model
 
-    return str(fetch_model(name_or_dir)) if name_or_dir in MODELS else name_or_dir
+    return str(fetch_model(name_or_dir)) if name_or_dir in PRETRAINED else name_or_dir
 
 
 def recipe_config(model: str, overrides: list[str]):

