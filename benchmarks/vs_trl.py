@@ -7,11 +7,11 @@ One tiny Qwen3 model, its tokenizer and the arithmetic prompt set are built once
 temporary directory (or, with `--model`, a real model is taken as it is, on the task of the
 recipe examples/configs/smollm2_addition.yaml: 2-digit sums asked in \\boxed{}, scored by
 math-verify on both sides); each system then trains from those exact weights in a fresh
-subprocess, the runs alternating gspo, trl, gspo-rollout-logp, gspo, trl, ... so that all see the same background
-load and ru_maxrss is a per-system peak. The parent prints, per system and as ratios to TRL:
-completions per second end to end (completions generated / wall time of all RL steps, from the
-end of the model build to the end of the last step), the median wall time per RL step,
-generated tokens, FLOPs per RL step (one extra run per system under
+subprocess, the runs alternating gspo, trl, gspo-rollout-logp, gspo, trl, ... so that all see the
+same background load and ru_maxrss is a per-system peak. The parent prints, per system and as
+ratios to TRL: completions per second end to end (completions generated / wall time of all RL
+steps, from the end of the model build to the end of the last step), the median wall time per
+RL step, generated tokens, FLOPs per RL step (one extra run per system under
 torch.utils.flop_counter.FlopCounterMode: every matmul and attention kernel, forward and
 backward) and the rate they run at, and peak RSS.
 
