@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from common import (add_model_args, matmul_gflops, median, recipe_config,  # noqa: E402
-                    resolve_model, table, write_json)
+                    table, write_json)
 
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
@@ -81,7 +81,7 @@ def main() -> None:
             f"algorithm.minibatches={a.minibatches}", "optim.lr=1e-5", "warmup.steps=0",
             "train.eval_every=0", "train.progress=false", "train.tensorboard=false"]
     if a.model:
-        cfg = recipe_config(resolve_model(a.model), ["model.dtype=float32", *step])
+        cfg = recipe_config(a.model, ["model.dtype=float32", *step])  # load_model takes names
     else:
         cfg = load_config(overrides=[
             f"model.hidden_size={a.hidden_size}", f"model.num_layers={a.num_layers}",

@@ -13,6 +13,15 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 TINY = ["--hidden-size", "32", "--num-heads", "2", "--num-kv-heads", "1", "--intermediate-size", "64"]
 
 
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    """A tiny Qwen3 and its tokenizer saved as a Hugging Face directory, for `--model`."""
+    sys.path.insert(0, str(BENCH))
+    from common import save_tiny_model
+
+    return save_tiny_model(tmp_path / "model", 32, 1, 2, 1, 64)
+
+
 def run(script: str, *args: str, tmp_path: Path) -> dict:
     out = tmp_path / "result.json"
     proc = subprocess.run([sys.executable, str(BENCH / script), *args, "--threads", "1",
@@ -58,14 +67,10 @@ def test_vs_trl_benchmark_runs(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None,
                     reason="TRL is not installed (pip install -e '.[bench]')")
-def test_vs_trl_on_a_model_directory_takes_the_recipes_task(tmp_path):
+def test_vs_trl_on_a_model_directory_takes_the_recipes_task(tmp_path, model_dir):
     # --model: a saved model instead of the built one, prompted through its chat template and
     # scored by math-verify on both sides (the SmolLM2 recipe's task); a tiny model keeps it quick
-    sys.path.insert(0, str(BENCH))
-    from common import save_tiny_model
-
-    model = save_tiny_model(tmp_path / "model", 32, 1, 2, 1, 64)
-    res = run("vs_trl.py", "--model", str(model), "--steps", "1", "--repeats", "1", "--prompts",
+    res = run("vs_trl.py", "--model", str(model_dir), "--steps", "1", "--repeats", "1", "--prompts",
               "2", "--group-size", "2", "--max-new-tokens", "3", "--systems", "gspo,trl",
               "--no-flops", tmp_path=tmp_path)
     assert [r["task"] for runs in res["runs"].values() for r in runs] == ["math", "math"]
@@ -93,12 +98,8 @@ def test_profile_step_benchmark_splits_the_step_into_phases(tmp_path):
                for p in ("rollout", "pi_old", "update"))
 
 
-def test_profile_step_on_a_model_directory(tmp_path):
-    sys.path.insert(0, str(BENCH))
-    from common import save_tiny_model
-
-    model = save_tiny_model(tmp_path / "model", 32, 1, 2, 1, 64)
-    res = run("profile_step.py", "--model", str(model), "--prompts", "2", "--group-size", "2",
+def test_profile_step_on_a_model_directory(tmp_path, model_dir):
+    res = run("profile_step.py", "--model", str(model_dir), "--prompts", "2", "--group-size", "2",
               "--max-new-tokens", "3", "--minibatches", "2", "--steps", "1", "--warmup-steps", "1",
               "--profile-repeats", "1", tmp_path=tmp_path)
     assert {r["phase"] for r in res["rows"]} == {"rollout", "pi_old", "update", "step"}
