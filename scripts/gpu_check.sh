@@ -23,6 +23,7 @@ BASE = ["model.hidden_size=256", "model.num_heads=4", "model.num_kv_heads=2", "m
         "algorithm.mismatch_every=1"]
 RUNS = {
     "hf fp32, recompute": ["rollout.engine=hf"],
+    "hf bf16-mixed, recompute": ["rollout.engine=hf", "train.precision=bf16-mixed"],
     "vllm fp32, rollout logp": ["rollout.engine=vllm", "rollout.dtype=float32",
                                 "algorithm.old_logprobs=rollout"],
     "vllm bf16, rollout logp": ["rollout.engine=vllm", "rollout.dtype=bfloat16",
@@ -36,7 +37,7 @@ for name, extra in RUNS.items():
             t0 = time.perf_counter()
             row = rl_step(run, step)
             print(f"{name:<26} step {step}: {time.perf_counter() - t0:6.2f}s  "
-                  f"rollout {row['time/rollout_s']:.2f}s  reward {row['reward/mean']:.3f}  "
+                  f"rollout {row['time/rollout_s']:.2f}s  update {row['time/update_s']:.2f}s  reward {row['reward/mean']:.3f}  "
                   f"|dlogp| {row.get('mismatch/token_abs_mean', float('nan')):.2e}  "
                   f"max seq log-ratio {row.get('mismatch/seq_log_ratio_abs_max', float('nan')):.2e}",
                   flush=True)

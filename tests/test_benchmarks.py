@@ -125,3 +125,25 @@ def test_memory_benchmark_runs_and_sizes_the_parts(tmp_path):
     # AdamW's two moments are exactly twice the gradients, which are the weights (all trainable)
     assert res["needs"]["AdamW moments"] == pytest.approx(2 * res["needs"]["gradients"])
     assert res["needs"]["gradients"] == pytest.approx(res["needs"]["weights"])
+
+
+def test_precision_benchmark_times_each_mode_and_phase(tmp_path):
+    res = run("precision.py", "--prompts", "2", "--group-size", "2", "--max-new-tokens", "3",
+              "--num-layers", "1", "--steps", "1", "--modes", "fp32", "bf16-mixed", *TINY,
+              tmp_path=tmp_path)
+    rows = {(r["mode"], r["phase"]): r for r in res["rows"]}
+    assert set(rows) == {(m, p) for m in ("fp32", "bf16-mixed")
+                         for p in ("rollout", "pi_old", "update", "step")}
+    # FLOPs counted per mode (bf16 samples other responses, of other lengths)
+    assert all(rows[m, p]["gflop"] > 0 for m in ("fp32", "bf16-mixed")
+               for p in ("rollout", "pi_old", "update"))
+    assert rows["fp32", "step"]["speedup"] == 1.0 and res["rates"]["bf16_gemm"] > 0
+
+
+def test_precision_benchmark_measures_the_update_direction(tmp_path):
+    res = run("precision.py", "--direction", "--prompts", "2", "--group-size", "2",
+              "--max-new-tokens", "3", "--num-layers", "1", "--modes", "fp32", "bf16-true",
+              *TINY, tmp_path=tmp_path)
+    rows = {r["mode"]: r for r in res["rows"]}
+    assert rows["fp32"]["same_direction"] == 1.0 and rows["fp32"]["moved"] > 0.9
+    assert rows["bf16-true"]["moved"] < 0.1  # lr 1e-6 vanishes in bf16 weights

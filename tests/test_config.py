@@ -199,7 +199,7 @@ def test_the_defaults_pass_every_declaration():
 
 @pytest.mark.parametrize("override, message", [
     ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1], got 1.5"),
-    ("rollout.dtype=fp8", "rollout.dtype must be one of float32 | bfloat16 | float16, got 'fp8'"),
+    ("rollout.dtype=fp8", "rollout.dtype must be one of auto | float32 | bfloat16 | float16, got 'fp8'"),
     ("algorithm.minibatches=0", "algorithm.minibatches must be > 0, got 0"),
     ("train.keep_last=-1", "train.keep_last must be >= 0, got -1"),
     ("data.max_reward_failures=1.5", "data.max_reward_failures must be in [0, 1], got 1.5"),
@@ -238,8 +238,9 @@ def test_help_shows_what_each_declared_field_allows_after_its_help():
         assert f"{entry}  [{allowed(f.metadata)}]" in text, key
     with_choices = {key for key, f in _declared() if f.metadata["choices"] is not None}
     assert {"model.dtype", "rollout.dtype", "data.task", "train.report_to"} <= with_choices
-    assert "precision the rollout engine samples in; training keeps model.dtype  [float32 | " \
-           "bfloat16 | float16]" in text
+    assert "(float32 for fp32, bfloat16 for bf16-mixed)  [auto | float32 | bfloat16 | " \
+           "float16]" in text
+    assert "updates below |w| * 2^-9 vanish)  [fp32 | bf16-mixed | fp16-mixed | bf16-true]" in text
     assert "nucleus sampling threshold  [in (0, 1]]" in text
     assert "maximum response length in tokens  [> 0]" in text
 

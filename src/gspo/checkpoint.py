@@ -59,6 +59,21 @@ _HIDDEN_PREFIXES = (".tmp-", ".trash-", ".old-")
 # ---------------------------------------------------------------------------- save
 
 
+def _weights_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype | None:
+    return next((t.dtype for t in weights.values() if t.is_floating_point()), None)
+
+
+def _set_config_dtype(directory: Path, dtype: torch.dtype) -> None:
+    """config.json's dtype as the saved weights have it (LoRA on a bf16 base saves float32
+    merged weights; from_pretrained loads in config.json's dtype)."""
+    path = directory / "config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def save_checkpoint(
     run_dir: str | os.PathLike,
     step: int,
@@ -91,7 +106,11 @@ def save_checkpoint(
     tmp = ckpts / f".tmp-{name}-{os.getpid()}"
     try:
         tmp.mkdir()
+        # save_pretrained empties `weights` as it writes: the dtype first
+        dtype = None if weights is None else _weights_dtype(weights)
         model.save_pretrained(tmp, **({"state_dict": weights} if weights is not None else {}))
+        if dtype is not None:  # config.json names the model's dtype, not the weights'
+            _set_config_dtype(tmp, dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if optimizer_state is None and optimizer is not None:

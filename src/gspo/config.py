@@ -10,6 +10,7 @@ prints before exiting with status 2.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 import types
 import typing
@@ -88,7 +89,9 @@ class ModelConfig:
     num_experts: int = _f(8, "tiny MoE only: experts per layer")
     num_experts_per_tok: int = _f(2, "tiny MoE only: experts activated per token (top-k)")
     moe_intermediate_size: int = _f(128, "tiny MoE only: width of each expert's MLP")
-    dtype: str = _f("float32", "training dtype", choices=("float32", "bfloat16", "float16"))
+    dtype: str = _f("float32", "retired: the training precision is train.precision "
+                    "(model.dtype=bfloat16 is read as train.precision=bf16-true)",
+                    choices=("float32", "bfloat16", "float16"))
     logprob_chunk_size: int = _f(1024, "positions per chunk when computing log-probs "
                                  "(bounds the (chunk, V) logits held at once)")
     lora_rank: int = _f(0, "LoRA (through peft): rank of the adapters; 0 = train every weight",
@@ -172,8 +175,9 @@ class DataConfig:
 class RolloutConfig:
     engine: str = _f("hf", "rollout engine: 'hf' (batched decode with KV cache) or 'vllm' "
                      "(GPU, `pip install gspo[vllm]`)")
-    dtype: str = _f("float32", "precision the rollout engine samples in; training keeps "
-                    "model.dtype", choices=("float32", "bfloat16", "float16"))
+    dtype: str = _f("auto", "precision the rollout engine samples in: 'auto' = the dtype "
+                    "train.precision computes in (float32 for fp32, bfloat16 for bf16-mixed)",
+                    choices=("auto", "float32", "bfloat16", "float16"))
     vllm_gpu_memory_utilization: float = _f(0.3, "vllm only: fraction of GPU memory for vLLM "
                                             "(colocated with training)")
     group_size: int = _f(8, "G: responses sampled per prompt", ge=2,
@@ -250,6 +254,12 @@ class TrainConfig:
                       "the run is logged under; the run's name is its directory's name")
     tensorboard: bool = _f(False, "deprecated: true is train.report_to=[tensorboard]")
     progress: bool = _f(True, "show a progress bar")
+    precision: str = _f("fp32", "'fp32'; 'bf16-mixed' (float32 master weights and AdamW "
+                        "state, bfloat16 matmuls, float32 log-probs and losses: what TRL's "
+                        "bf16=True and verl do), 'fp16-mixed' (the same in float16, with a "
+                        "dynamic loss scale) or 'bf16-true' (weights and AdamW state in "
+                        "bfloat16: half the memory, but updates below |w| * 2^-9 vanish)",
+                        choices=("fp32", "bf16-mixed", "fp16-mixed", "bf16-true"))
     device: str = _f("auto", "where the training model runs: 'auto' (this rank's GPU, "
                      "cuda:LOCAL_RANK, when CUDA is available, else the CPU), 'cpu', 'cuda', "
                      "'cuda:N'")
@@ -473,9 +483,35 @@ def resolve(cfg: Config) -> Config:
             or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.999]; got "
                           f"{betas}")
+    _check_precision(cfg)
     _check_trackers(cfg.train)
     _check_data(cfg.data)
     return cfg
+
+
+def _check_precision(cfg: Config) -> None:
+    """Fold the retired model.dtype into train.precision (so the saved config says it once)."""
+    m, t = cfg.model, cfg.train
+    if m.dtype == "float16":
+        raise ConfigError("model.dtype=float16 is retired (float16 weights cannot be trained "
+                          "without float32 master weights); use train.precision=fp16-mixed")
+    if m.dtype == "bfloat16":
+        if t.precision not in ("fp32", "bf16-true"):
+            raise ConfigError(f"model.dtype=bfloat16 (retired: bf16 weights) contradicts "
+                              f"train.precision={t.precision}; drop model.dtype")
+        logging.getLogger(__name__).warning(
+            "model.dtype=bfloat16 is retired: read as train.precision=bf16-true (bf16 weights "
+            "and AdamW state); train.precision=bf16-mixed keeps float32 master weights")
+        t.precision = "bf16-true"
+    m.dtype = "float32"
+
+
+def rollout_dtype(cfg: Config) -> str:
+    """The dtype the rollout engine samples in: rollout.dtype, or with 'auto' the dtype
+    train.precision computes in."""
+    auto = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16",
+            "bf16-true": "bfloat16"}
+    return auto[cfg.train.precision] if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
 
 
 def _check_trackers(t: TrainConfig) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Iterator
 from dataclasses import dataclass
@@ -177,10 +177,13 @@ class Policy(torch.nn.Module):
     layer's forward is a collective and every rank must make the same sequence of calls.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype | None = None):
         super().__init__()
         self.model = model
         self.sync_max = None
+        # mixed precision by autocast (one process, DDP): the matmuls' dtype; None = the
+        # weights' own (float32, bf16-true, or FSDP2's MixedPrecisionPolicy, which casts them)
+        self.compute_dtype = compute_dtype
         # names of tied aliases (e.g. lm_head.weight = embed_tokens.weight), found while the
         # tensors are still plain: a gathered state dict lists them as separate copies
         seen, self.aliases = set(), set()
@@ -190,9 +193,11 @@ class Policy(torch.nn.Module):
     def forward(self, input_ids, attention_mask, n_response: int, temperature: float = 1.0,
                 chunk_size: int = 1024, with_entropy: bool = False, share_prompts: bool = True):
         from gspo.logprobs import token_logprobs
-        return token_logprobs(self.model, input_ids, attention_mask, n_response, temperature,
-                              chunk_size, with_entropy, share_prompts=share_prompts,
-                              sync_max=self.sync_max)
+        with (torch.autocast(input_ids.device.type, dtype=self.compute_dtype)
+              if self.compute_dtype is not None else nullcontext()):
+            return token_logprobs(self.model, input_ids, attention_mask, n_response, temperature,
+                                  chunk_size, with_entropy, share_prompts=share_prompts,
+                                  sync_max=self.sync_max)
 
 
 def fsdp_available() -> bool:
@@ -203,21 +208,27 @@ def fsdp_available() -> bool:
     return True
 
 
-def wrap_policy(model: torch.nn.Module, d: Dist, mode: str = "ddp") -> Policy | torch.nn.Module:
+def wrap_policy(model: torch.nn.Module, d: Dist, mode: str = "ddp",
+                compute_dtype: torch.dtype | None = None) -> Policy | torch.nn.Module:
     """Policy(model); on several ranks sharded with FSDP2 (mode "fsdp") or inside DDP.
 
+    compute_dtype: mixed precision's matmul dtype (None: the weights' own). One process and
+    DDP: autocast in Policy.forward. FSDP2: a MixedPrecisionPolicy, parameters gathered in
+    compute_dtype and gradients reduce-scattered in float32 into the float32 shards.
     Under FSDP2 the parameters become DTensor shards in place: build the optimiser after this.
     """
-    policy = Policy(model)
+    policy = Policy(model, compute_dtype if mode != "fsdp" or not d.enabled else None)
     if not d.enabled:
         return policy
     if mode == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = init_device_mesh(d.device.type, (d.world,))
+        mp = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+              if compute_dtype is not None else MixedPrecisionPolicy())
         for layer in model.get_decoder().layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(policy, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(policy, mesh=mesh, mp_policy=mp)
         # a parameter no token of this rank used (an idle expert) still joins the reduce-scatter
         policy.set_reduce_scatter_unused_params(True)
         policy.sync_max = lambda values: [int(v) for v in d.max(values)]

@@ -26,7 +26,8 @@ from typing import TextIO
 import torch
 import yaml
 
-from gspo.config import Config, to_dict
+from gspo import precision
+from gspo.config import Config, rollout_dtype, to_dict
 from gspo.data import encode_prompts, score
 from gspo.distributed import Dist, resolve_device
 from gspo.engines import engine_class
@@ -149,16 +150,20 @@ def prompt_lengths(rows: list[dict], tokenizer, cfg: Config) -> tuple[int, float
 
 def memory_estimate(model, cfg: Config, world: int, mode: str, prompt_max: int) -> dict:
     """Bytes per rank of what a run holds for the whole run: weights, gradients and AdamW's two
-    moments (sharded over the ranks under FSDP; AdamW keeps them in the parameters' dtype),
-    the rollout engine's own full copy and pi_ref's, and the hf engine's KV cache for this
-    rank's sequences at full length. Activations and logits come on top."""
+    moments (sharded over the ranks under FSDP; AdamW keeps them in the parameters' dtype:
+    float32 but in bf16-true), the low-precision weights a mixed-precision forward holds
+    (autocast's casts; FSDP2 gathers one layer at a time), the rollout engine's own full copy
+    and pi_ref's, and the hf engine's KV cache for this rank's sequences at full length.
+    Activations and logits come on top."""
     n = sum(p.numel() for p in model.parameters())
-    width = getattr(torch, cfg.model.dtype).itemsize
-    roll_width = getattr(torch, cfg.rollout.dtype).itemsize
+    prec = precision.get(cfg.train.precision)
+    width = prec.param_dtype.itemsize
+    roll_dtype = rollout_dtype(cfg)
+    roll_width = getattr(torch, roll_dtype).itemsize
     trainable = n if not cfg.model.lora_rank else lora_parameters(model, cfg)
     shard = world if mode == "fsdp" else 1
     own_copy = (cfg.rollout.engine != "hf" or mode == "fsdp" or cfg.model.lora_rank > 0
-                or cfg.rollout.dtype != cfg.model.dtype)
+                or getattr(torch, roll_dtype) != prec.param_dtype)
     c = model.config
     heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -167,6 +172,8 @@ def memory_estimate(model, cfg: Config, world: int, mode: str, prompt_max: int) 
           * (prompt_max + cfg.rollout.max_new_tokens))
     return {"weights": n * width / shard, "gradients": trainable * width / shard,
             "adamw": 2 * trainable * width / shard,
+            "compute_casts": n * prec.compute_dtype.itemsize if prec.mixed and mode != "fsdp"
+            else 0,
             "rollout_copy": n * roll_width if own_copy else 0,
             "reference": n * width if cfg.algorithm.beta > 0 else 0,
             "kv_cache": kv if cfg.rollout.engine == "hf" else 0}
@@ -192,7 +199,8 @@ def print_report(cfg: Config, f: dict, model, tokenizer, sample: str, measured: 
     r, a, m = cfg.rollout, cfg.algorithm, f["memory"]
     world, seqs = f["world"], r.prompts_per_step * r.group_size
     per_seq = f["prompt_tokens_max"] + r.max_new_tokens
-    n, width = f["parameters"], cfg.model.dtype
+    n = f["parameters"]
+    width = str(precision.get(cfg.train.precision).param_dtype).removeprefix("torch.")
     shard = f" / {world} ranks" if f["data_parallel"] == "fsdp" else ""
     mode = {"none": "one process", "fsdp": "FSDP2", "ddp": "DDP"}[f["data_parallel"]]
     lines = [
@@ -222,9 +230,12 @@ def print_report(cfg: Config, f: dict, model, tokenizer, sample: str, measured: 
         + ("  LoRA adapters only" if cfg.model.lora_rank else ""),
         f"  AdamW state   {_size(m['adamw'])}  two moments in {width}",
     ]
+    if m["compute_casts"]:
+        lines.append(f"  casts         {_size(m['compute_casts'])}  train.precision="
+                     f"{cfg.train.precision}: autocast's copy of the weights during a forward")
     if m["rollout_copy"]:
         lines.append(f"  rollout copy  {_size(m['rollout_copy'])}  the {r.engine} "
-                     f"engine's full weights in {r.dtype}"
+                     f"engine's full weights in {rollout_dtype(cfg)}"
                      + (f" (inside vLLM's {r.vllm_gpu_memory_utilization:g} of the GPU, with "
                         f"its KV cache)" if r.engine == "vllm" else ""))
     if m["reference"]:

@@ -27,8 +27,18 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_logits(h, weight, bias, temperature: float) -> torch.Tensor:
-    logits = F.linear(h, weight, bias).float()  # (N, V), N = chunk of positions
+    # the GEMM in the operands' dtype (bf16 under mixed precision), the logits in float32
+    logits = F.linear(h.to(weight.dtype), weight, bias).float()  # (N, V), N = chunk of positions
     return logits.div_(temperature) if temperature != 1.0 else logits
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast runs matmuls in on `device` here, or None when it is off."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    return t if t is None or dtype is None else t.to(dtype)
 
 
 def _chunk_stats(h, weight, bias, targets, temperature: float, with_entropy: bool):
@@ -61,13 +71,16 @@ class _ChunkedLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy,
+                compute_dtype):
         # hidden (N, H), weight (V, H), bias (V,) or None, targets (N,) long
+        # compute_dtype: the GEMMs' dtype under mixed precision (the weight cast once), or None
         ctx.set_materialize_grads(False)
+        w, b = _cast(weight, compute_dtype), _cast(bias, compute_dtype)
         logps, entropies, lses = [], [], []
         for start in range(0, hidden.shape[0], chunk_size):
             sl = slice(start, start + chunk_size)
-            logp, ent, lse = _chunk_stats(hidden[sl], weight, bias, targets[sl], temperature,
+            logp, ent, lse = _chunk_stats(hidden[sl], w, b, targets[sl], temperature,
                                           with_entropy)
             logps.append(logp)
             entropies.append(ent)
@@ -76,7 +89,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         entropy = torch.cat(entropies) if with_entropy else None
         ctx.save_for_backward(hidden, weight, bias, targets, lse,
                               entropy if with_entropy else lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.compute_dtype = temperature, chunk_size, compute_dtype
         return logp, entropy
 
     @staticmethod
@@ -84,14 +97,16 @@ class _ChunkedLogProbs(torch.autograd.Function):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         tau, chunk = ctx.temperature, ctx.chunk_size
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        # the forward's own dtypes: each GEMM below runs in the dtype the forward's did
+        w, b = _cast(weight, ctx.compute_dtype), _cast(bias, ctx.compute_dtype)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = (torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
                   if need_b else None)
         for start in range(0, hidden.shape[0], chunk):
             sl = slice(start, start + chunk)
-            h = hidden[sl]
-            z = _chunk_logits(h, weight, bias, tau)  # (n, V), recomputed
+            h = hidden[sl].to(w.dtype)
+            z = _chunk_logits(h, w, b, tau)  # (n, V), recomputed
             if g_entropy is None:
                 p, ent_term = z.sub_(lse[sl, None]).exp_(), None  # softmax in place: one block
             else:
@@ -109,15 +124,18 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if tau != 1.0:
                 grad_z.div_(tau)  # z = logits / tau
             if need_h:
-                grad_h[sl] = grad_z.to(weight.dtype) @ weight  # (n, H)
+                grad_h[sl] = grad_z.to(w.dtype) @ w  # (n, H)
             if need_w:
-                grad_w.addmm_(grad_z.t(), h.float())  # (V, H)
+                if w.dtype == torch.float32:
+                    grad_w.addmm_(grad_z.t(), h)  # (V, H)
+                else:  # the GEMM in w's dtype, as autocast's backward runs it; summed in float32
+                    grad_w += grad_z.t().to(w.dtype) @ h
             if need_b:
                 grad_b += grad_z.sum(0)
             del z, p, ent_term, logp_term, grad_z  # free this block before the next is made
         cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
         return (grad_h, cast(grad_w, weight), None if bias is None else cast(grad_b, bias),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def logprobs_from_hidden(
@@ -136,18 +154,26 @@ def logprobs_from_hidden(
     turns them into their own gradient in place; so forward and backward each hold about one
     (chunk_size, V) float32 block of logits, never (B, T, V). Returns logp (B, T), and entropy
     (B, T) of the temperature-scaled distribution when `with_entropy`; both are differentiable.
+
+    Under autocast (mixed precision) the GEMMs run in autocast's dtype, the weight cast once per
+    call, and everything from the logits on in float32; with or without gradients, the same
+    operations on the same dtypes, so pi_old's recompute and the update's forward agree.
     """
     B, T, H = hidden.shape
     flat_h, flat_y = hidden.reshape(B * T, H), targets.reshape(B * T)
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))
+    compute_dtype = autocast_dtype(hidden.device)
     if need_grad:
-        logp, entropy = _ChunkedLogProbs.apply(flat_h, weight, bias, flat_y, temperature,
-                                               chunk_size, with_entropy)
+        with torch.autocast(hidden.device.type, enabled=False):  # its dtypes are explicit
+            logp, entropy = _ChunkedLogProbs.apply(flat_h, weight, bias, flat_y, temperature,
+                                                   chunk_size, with_entropy, compute_dtype)
     else:
-        stats = [_chunk_stats(flat_h[s : s + chunk_size], weight, bias, flat_y[s : s + chunk_size],
-                              temperature, with_entropy)
-                 for s in range(0, B * T, chunk_size)]
+        w, b = _cast(weight, compute_dtype), _cast(bias, compute_dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            stats = [_chunk_stats(flat_h[s : s + chunk_size], w, b, flat_y[s : s + chunk_size],
+                                  temperature, with_entropy)
+                     for s in range(0, B * T, chunk_size)]
         logp = torch.cat([st[0] for st in stats])
         entropy = torch.cat([st[1] for st in stats]) if with_entropy else None
     if not with_entropy:

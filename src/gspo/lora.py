@@ -83,7 +83,8 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
             if ".lora_" in key:
                 continue
             key = key.replace(".base_layer.", ".")
-            yield key, (t + deltas[key]) if key in deltas else t
+            # float32, whatever the base is kept in (a bf16 base under mixed precision)
+            yield key, (t.float() + deltas[key].float()) if key in deltas else t.float()
 
 
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -35,7 +35,8 @@ import transformers
 
 from gspo.checkpoint import (latest_checkpoint, load_checkpoint, read_reference,
                              read_training_state, save_checkpoint)
-from gspo.config import Config, load_config, save_config, to_dict
+from gspo import precision
+from gspo.config import Config, load_config, rollout_dtype, save_config, to_dict
 from gspo.data import encode_prompts, score
 from gspo.distributed import (Dist, Policy, as_local, broadcast_weights, checkpoint_state,
                                fsdp_available, init_distributed, iter_weights,
@@ -82,6 +83,7 @@ def build_model(cfg: Config, device: torch.device | str = "cpu", weights: bool =
     """(model, tokenizer) of cfg.model. weights=False: a local or hub model is built on the meta
     device from its config alone (gspo.models.load_model); the tiny ones are built anyway."""
     m = cfg.model
+    dtype = precision.get(cfg.train.precision).param_dtype
     shape = dict(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
                  num_kv_heads=m.num_kv_heads, seed=cfg.train.seed)
     if m.name_or_path == "tiny-qwen3":
@@ -93,11 +95,11 @@ def build_model(cfg: Config, device: torch.device | str = "cpu", weights: bool =
                                      num_experts=m.num_experts,
                                      num_experts_per_tok=m.num_experts_per_tok, **shape)
     else:
-        model, tokenizer = load_model(m.name_or_path, dtype=m.dtype, weights=weights,
-                                      full_training=not m.lora_rank)
+        model, tokenizer = load_model(m.name_or_path, dtype=str(dtype).removeprefix("torch."),
+                                      weights=weights, full_training=not m.lora_rank)
         if not weights:
-            return model, tokenizer  # on the meta device, in m.dtype
-    return model.to(device=device, dtype=getattr(torch, m.dtype)), tokenizer
+            return model, tokenizer  # on the meta device, in the weights' dtype
+    return model.to(device=device, dtype=dtype), tokenizer
 
 
 def build_optimizer(model, lr: float, cfg: Config):
@@ -130,6 +132,7 @@ def warmup(policy, model, tokenizer, rows: list[dict], solution, cfg: Config, d:
     scaled by the world size, so the averaged gradient is the whole batch's."""
     w = cfg.warmup
     opt, _ = build_optimizer(model, w.lr, cfg)
+    scaler = precision.get(cfg.train.precision).grad_scaler(d.device)  # fp16-mixed only
     rng = random.Random(cfg.train.seed)
     eos = tokenizer.eos_token_id
     loss = torch.tensor(float("nan"))
@@ -148,10 +151,8 @@ def warmup(policy, model, tokenizer, rows: list[dict], solution, cfg: Config, d:
         n_tokens = d.sum([float(resp_mask.sum())])[0]
         loss = -(logp * resp_mask).sum() / n_tokens * d.world
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        opt.step()
+        precision.backward(loss, scaler)
+        precision.step(opt, model.parameters(), cfg.optim.grad_clip, scaler)
     return d.sum([float(loss.detach()) / d.world])[0]
 
 
@@ -208,7 +209,7 @@ def update(run: "Run", r: Rollouts, old_logp, ref_logp, adv) -> dict[str, float]
     mb_size = B // a.minibatches
     mask = r.response_mask
     stats = WeightedMean()
-    grad_norms, losses = [], []
+    grad_norms, losses, skipped = [], [], 0
     G = cfg.rollout.group_size
     if mb_size % G == 0:
         # minibatches of whole groups: a random partition still, and the G rows of a group
@@ -236,7 +237,7 @@ def update(run: "Run", r: Rollouts, old_logp, ref_logp, adv) -> dict[str, float]
                     loss = loss + a.beta * kl_k3(logp, ref_logp[idx], mask[idx]).sum() / (
                         len(mb) * d.world)
                 _check_loss(loss, metrics, d)
-                (loss * d.world).backward()
+                precision.backward(loss * d.world, run.scaler)
             mb_loss += float(loss.detach())
             # ratio_mean is weighted by what it averages over, the token fractions by tokens
             stats.add(M.RATIO_MEAN, metrics.pop("ratio_mean"), metrics.pop("ratio_count"))
@@ -245,17 +246,23 @@ def update(run: "Run", r: Rollouts, old_logp, ref_logp, adv) -> dict[str, float]
             n_tokens = float(mask[idx].sum())
             for k, v in metrics.items():
                 stats.add(M.OBJECTIVE.get(k, k), v, n_tokens)
-        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        grad_norms.append(float(as_local(torch.nn.utils.clip_grad_norm_(run.model.parameters(),
-                                                                         clip))))
-        run.optimizer.step()
+        norm = float(as_local(precision.step(run.optimizer, run.model.parameters(),
+                                             cfg.optim.grad_clip, run.scaler)))
+        if math.isfinite(norm):  # fp16-mixed: an overflowed step was skipped, the scale lowered
+            grad_norms.append(norm)
+        else:
+            skipped += 1
         run.scheduler.step()
         losses.append(mb_loss)
     # the gradients are not needed until the next step: free them for the rollout and pi_old
     run.optimizer.zero_grad(set_to_none=True)
     stats.add_sum(M.LOSS, sum(losses) / len(losses))  # each loss is global-normalised
     out = stats.result(d)
-    out[M.GRAD_NORM] = sum(grad_norms) / len(grad_norms)  # after the all-reduce: the same on all
+    # after the all-reduce: the same on all ranks
+    out[M.GRAD_NORM] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+    if run.scaler is not None:
+        out[M.LOSS_SCALE] = float(run.scaler.get_scale())
+        out[M.SKIPPED_STEPS] = skipped
     return out
 
 
@@ -302,6 +309,7 @@ class Run:
     ref_policy: Policy | None                # pi_ref, unsharded, when algorithm.beta > 0
     routing: MoeRouting | NoRouting          # record / replay / measure MoE routing
     gen: torch.Generator                     # minibatch shuffling
+    scaler: torch.amp.GradScaler | None      # fp16-mixed's dynamic loss scale
     micro: int                               # rows per forward (algorithm.micro_batch_size)
     checkpoint: Path | None                  # the checkpoint resumed from
     state: dict                              # its training state (step, accuracies, RNG)
@@ -371,7 +379,8 @@ def build_engine(model, tokenizer, cfg: Config, own_copy: bool = False) -> Rollo
     """The rollout engine rollout.engine names (gspo.engines.ENGINES), from the model's weights."""
     r = cfg.rollout
     try:
-        return make_engine(r.engine, model, tokenizer, dtype=r.dtype, seed=cfg.train.seed,
+        return make_engine(r.engine, model, tokenizer, dtype=rollout_dtype(cfg),
+                           seed=cfg.train.seed,
                            own_copy=own_copy, **engine_options(r))
     except (ImportError, RuntimeError, ValueError) as e:  # an engine that cannot start here
         raise TrainingError(f"rollout.engine={r.engine}: {e}") from e
@@ -462,16 +471,20 @@ def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train
         log.info("resumed from %s at step %d", ckpt, state["step"])
     broadcast_weights(model, d)  # every rank starts from rank 0's weights
     mode = data_parallel_mode(cfg, d)
+    prec = precision.get(t.precision)
+    compute_dtype = prec.compute_dtype if prec.mixed else None
     # copies while the weights are whole (FSDP2 shards them in place); refreshed after warm-up
     # LoRA: the engine holds a plain copy, refreshed with the merged weights
     engine = build_engine(model, tokenizer, cfg, own_copy=mode == "fsdp" or lora)
     try:  # from here on a failure closes the engine (a vLLM engine holds process-wide state)
-        ref_policy = Policy(copy.deepcopy(model).eval()) if a.beta > 0 else None
+        ref_policy = Policy(copy.deepcopy(model).eval(), compute_dtype) if a.beta > 0 else None
         if lora:  # after pi_ref's copy: the reference is the plain base model
-            model = with_lora(model, cfg, engine, ckpt)
+            model = with_lora(model, cfg, engine, ckpt, compute_dtype)
         if ref_policy is not None and ckpt is not None:
             ref_policy.model.load_state_dict(reference_weights(ckpt, a.beta))
-        policy = wrap_policy(model, d, mode)
+        policy = wrap_policy(model, d, mode, compute_dtype)
+        if t.precision == "bf16-true":
+            precision.warn_vanishing_updates(model, cfg.optim.lr)
         try:
             routing = routing_for(model, a.routing_replay, engine.model if (
                 a.routing_replay and a.old_logprobs == "rollout") else None)
@@ -481,27 +494,37 @@ def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train
         if "update_rng" in state:
             gen.set_state(state["update_rng"])
         optimizer, scheduler = build_optimizer(model, cfg.optim.lr, cfg)
+        scaler = prec.grad_scaler(d.device)
         if ckpt is not None:
             optimizer_state, scheduler_state = read_training_state(ckpt)
             load_optimizer_state(policy, optimizer, optimizer_state)
             scheduler.load_state_dict(scheduler_state)
+            if scaler is not None and "grad_scaler" in state:
+                scaler.load_state_dict(state["grad_scaler"])
         rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size // d.world  # this rank's
         return Run(cfg=cfg, run_dir=run_dir, dist=d, model=model, policy=policy,
                    tokenizer=tokenizer, engine=engine, optimizer=optimizer, scheduler=scheduler,
                    train_rows=train_rows, eval_rows=eval_rows, reward_fn=reward_fn,
                    solution=solution, ref_policy=ref_policy, routing=routing, gen=gen,
-                   micro=a.micro_batch_size or rows // a.minibatches, checkpoint=ckpt,
+                   scaler=scaler, micro=a.micro_batch_size or rows // a.minibatches, checkpoint=ckpt,
                    state=state)
     except BaseException:
         engine.close()
         raise
 
 
-def with_lora(model, cfg: Config, engine: RolloutEngine, ckpt: Path | None):
-    """The model with LoRA adapters (peft), restored from `ckpt` on a resume."""
+def with_lora(model, cfg: Config, engine: RolloutEngine, ckpt: Path | None,
+              base_dtype: torch.dtype | None = None):
+    """The model with LoRA adapters (peft), restored from `ckpt` on a resume. base_dtype: the
+    frozen base is kept in it (mixed precision: a bf16 base, the float32 adapters are the
+    master weights), as its matmuls run in it anyway."""
     m = cfg.model
     try:
         model = add_lora(model, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_target_modules)
+        if base_dtype is not None:
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(base_dtype)
         if ckpt is not None:
             load_adapter(model, ckpt / ADAPTER_DIR)
             engine.load_weights(merged_weights(model))  # it was built from the base alone
@@ -779,7 +802,9 @@ def save(run: Run, done: int, start_acc, final_acc) -> int:
         save_checkpoint(run.run_dir, done, run.model, run.tokenizer, run.optimizer,
                         run.scheduler, {"step": done, "start_accuracy": start_acc,
                                         "final_accuracy": final_acc,
-                                        "update_rng": run.gen.get_state()},
+                                        "update_rng": run.gen.get_state(),
+                                        **({"grad_scaler": run.scaler.state_dict()}
+                                           if run.scaler is not None else {})},
                         keep_last=run.cfg.train.keep_last, weights=weights,
                         optimizer_state=optimizer_state, reference=reference,
                         extra=(lambda d: save_adapter(run.model, d / ADAPTER_DIR))

@@ -1,0 +1,212 @@
+"""train.precision side by side: per-phase time of RL steps, and each phase's rate against the
+bfloat16 GEMM rate of this machine, measured in the same run.
+
+    .venv/bin/python benchmarks/precision.py --model smollm2-135m-instruct --threads 1
+    .venv/bin/python benchmarks/precision.py --model smollm2-135m-instruct --direction
+
+One run per mode (the recipe examples/configs/smollm2_addition.yaml on `--model`, or the tiny
+Qwen3), all built up front and stepped in turn (fp32 step 0, bf16-mixed step 0, fp32 step 1,
+...), so that every mode sees the same background load. Phases as the trainer times them:
+rollout (the engine samples in rollout.dtype=auto: the mode's compute dtype), pi_old (the
+recompute) and update (the AdamW minibatches and the engine's weight refresh). FLOPs of each
+phase are counted once per mode with torch's FlopCounterMode on the step-0 batch (GEMMs and
+attention; per mode, since a bf16 sampler draws other responses of other lengths); a phase's
+rate is those FLOPs over its median time.
+
+--direction: one update at lr 1e-6 from the same weights on the same rollouts in every mode,
+and the fraction of the weights each moves, and moves the way float32 moves them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+
+from common import (add_model_args, median, recipe_config, resolve_model, table,  # noqa: E402
+                    write_json)
+
+PHASES = {"rollout": "time/rollout_s", "pi_old": "time/old_logp_s", "update": "time/update_s"}
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--model", help="a Hugging Face model directory or a `gspo fetch-model` name "
+                                   "(e.g. smollm2-135m-instruct) in place of the tiny Qwen3")
+    p.add_argument("--modes", nargs="+", default=["fp32", "bf16-mixed"])
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--steps", type=int, default=3, help="timed RL steps per mode")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
+    p.add_argument("--direction", action="store_true",
+                   help="only the lr 1e-6 update-direction measurement")
+    p.add_argument("--json", default=None)
+    return p.parse_args()
+
+
+def gemm_rates(min_seconds: float = 1.0) -> dict[str, float]:
+    """GFLOP/s of a 1024^3 GEMM in float32 and bfloat16, and of SmolLM2's MLP-shaped F.linear
+    (4096 x 576 -> 1536) in bfloat16: the rates a phase is measured against."""
+    def best(fn, flop):
+        for _ in range(3):
+            fn()
+        t, start = float("inf"), time.perf_counter()
+        while time.perf_counter() - start < min_seconds:
+            t0 = time.perf_counter()
+            fn()
+            t = min(t, time.perf_counter() - t0)
+        return flop / t / 1e9
+    out = {}
+    for name, dt in (("fp32_gemm", torch.float32), ("bf16_gemm", torch.bfloat16)):
+        a, b = torch.randn(1024, 1024, dtype=dt), torch.randn(1024, 1024, dtype=dt)
+        out[name] = best(lambda: a @ b, 2 * 1024 ** 3)
+    x, w = torch.randn(4096, 576, dtype=torch.bfloat16), torch.randn(1536, 576, dtype=torch.bfloat16)
+    out["bf16_linear"] = best(lambda: torch.nn.functional.linear(x, w), 2 * 4096 * 576 * 1536)
+    return out
+
+
+def count_flops(fn) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+def config(a, mode: str, extra: list[str]):
+    from gspo.config import load_config
+    step = [f"rollout.group_size={a.group_size}", f"rollout.prompts_per_step={a.prompts}",
+            f"rollout.max_new_tokens={a.max_new_tokens}", "warmup.steps=0",
+            "train.eval_every=0", "train.progress=false", f"train.precision={mode}", *extra]
+    if a.model:
+        return recipe_config(resolve_model(a.model), step)
+    return load_config(overrides=[
+        f"model.hidden_size={a.hidden_size}", f"model.num_layers={a.num_layers}",
+        f"model.num_heads={a.num_heads}", f"model.num_kv_heads={a.num_kv_heads}",
+        f"model.intermediate_size={a.intermediate_size}", "data.n_train=2000", "data.n_eval=8",
+        *step])
+
+
+def speed(a) -> dict:
+    import gspo.trainer as trainer
+    runs = {m: trainer.prepare(config(a, m, []), Path(tempfile.mkdtemp()), resume=False)
+            for m in a.modes}
+    flops, rows = {}, {m: [] for m in a.modes}
+    try:
+        for step in range(a.steps):
+            for mode, run in runs.items():
+                if step == 0:  # FLOPs of each phase on this step's batch (before it updates)
+                    prompts = trainer.step_prompts(run.train_rows, 0, a.prompts, run.cfg.train.seed)
+                    r = trainer.generate(run, prompts, 0)
+                    old = trainer.old_policy(run, r, 0)[0]
+                    adv = torch.randn(r.response_ids.shape[0])
+                    state = {k: v.clone() for k, v in run.model.state_dict().items()}
+                    opt = run.optimizer.state_dict()
+                    flops[mode] = {"rollout": count_flops(lambda: trainer.generate(run, prompts, 0)),
+                                   "pi_old": count_flops(lambda: trainer.old_policy(run, r, 0)),
+                                   "update": count_flops(lambda: trainer.update(run, r, old, None, adv))}
+                    run.model.load_state_dict(state)  # as if the counted update never happened
+                    run.optimizer.load_state_dict(opt)
+                    run.engine.load_weights(trainer.policy_weights(run.policy, run.model))
+                rows[mode].append(trainer.rl_step(run, step))
+                print(f"{mode:<11} step {step}: " + "  ".join(
+                    f"{p} {rows[mode][-1][k]:.2f}s" for p, k in PHASES.items()), flush=True)
+    finally:
+        for run in runs.values():
+            trainer.close_run(run)
+    rates = gemm_rates()
+    out = []
+    for mode in a.modes:
+        for phase, key in {**PHASES, "step": None}.items():
+            if key is None:
+                s = sum(median([r[k] for r in rows[mode]]) for k in PHASES.values())
+                f = sum(flops[mode].values())
+            else:
+                s, f = median([r[key] for r in rows[mode]]), flops[mode][phase]
+            out.append({"mode": mode, "phase": phase, "s": s, "gflop": f / 1e9,
+                        "gflops": f / s / 1e9, "vs_bf16": f / s / 1e9 / rates["bf16_gemm"],
+                        "speedup": None})
+    base = {o["phase"]: o["s"] for o in out if o["mode"] == a.modes[0]}
+    for o in out:
+        o["speedup"] = base[o["phase"]] / o["s"]
+    return {"rates": rates, "rows": out,
+            "reward": {m: [r["reward/mean"] for r in rows[m]] for m in a.modes}}
+
+
+def direction(a) -> dict:
+    """One update at lr 1e-6 per mode, from the same weights on the same rollouts."""
+    import gspo.trainer as trainer
+    extra = ["optim.lr=1e-6", "optim.grad_clip=0"]
+    deltas, batch = {}, None
+    for mode in ["fp32", *[m for m in a.modes if m != "fp32"]]:
+        run = trainer.prepare(config(a, mode, extra), Path(tempfile.mkdtemp()), resume=False)
+        try:
+            before = {k: v.float().clone() for k, v in run.model.state_dict().items()}
+            if batch is None:
+                prompts = trainer.step_prompts(run.train_rows, 0, a.prompts, run.cfg.train.seed)
+                r = trainer.generate(run, prompts, 0)
+                adv = torch.randn(r.response_ids.shape[0], generator=torch.Generator().manual_seed(0))
+                batch = r, adv
+            r, adv = batch
+            old = trainer.old_policy(run, r, 0)[0]
+            t0 = time.perf_counter()
+            trainer.update(run, r, old, None, adv)
+            seconds = time.perf_counter() - t0
+            deltas[mode] = (torch.cat([(v.float() - before[k]).flatten()
+                                       for k, v in run.model.state_dict().items()]), seconds)
+        finally:
+            trainer.close_run(run)
+    ref = deltas["fp32"][0]
+    nz = ref != 0
+    big = ref.abs() > ref[nz].abs().median()
+    out = []
+    for mode, (d, seconds) in deltas.items():
+        d64, r64 = d.double(), ref.double()
+        out.append({"mode": mode, "moved": float((d != 0).double().mean()),
+                    "same_direction": float((d[nz].sign() == ref[nz].sign()).double().mean()),
+                    # several minibatches: a weight whose steps nearly cancel has a total move
+                    # near 0 whose sign any rounding decides; the larger half does not
+                    "same_direction_big": float((d[big].sign() == ref[big].sign()).double().mean()),
+                    "cosine": float(d64 @ r64 / (d64.norm() * r64.norm() + 1e-300)),
+                    "update_s": seconds})
+    return {"rows": out}
+
+
+def main() -> None:
+    a = parse()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    name = a.model or f"tiny Qwen3 hidden {a.hidden_size} x {a.num_layers} layers"
+    shape = (f"{a.prompts} prompts x G {a.group_size}, <= {a.max_new_tokens} new tokens, "
+             f"{a.threads or 'default'} thread(s)")
+    if a.direction:
+        res = direction(a)
+        print(f"\nprecision --direction: {name}, {shape}: one update at lr 1e-6\n")
+        print(table(res["rows"], [("mode", "train.precision", ""),
+                                  ("moved", "weights moved", ".4f"),
+                                  ("same_direction", "moved as float32 moves them", ".4f"),
+                                  ("same_direction_big", "... of float32's larger half", ".4f"),
+                                  ("cosine", "cosine to float32's move", ".4f"),
+                                  ("update_s", "update s", ".1f")]))
+    else:
+        res = speed(a)
+        r = res["rates"]
+        print(f"\nprecision: {name}, {shape}; GEMM rates now: float32 {r['fp32_gemm']:.0f}, "
+              f"bfloat16 {r['bf16_gemm']:.0f} GFLOP/s (1024^3), bf16 F.linear 4096x576->1536 "
+              f"{r['bf16_linear']:.0f} GFLOP/s\n")
+        print(table(res["rows"], [("mode", "train.precision", ""), ("phase", "phase", ""),
+                                  ("s", "s (median)", ".2f"), ("speedup", f"vs {a.modes[0]}", ".2f"),
+                                  ("gflop", "GFLOP", ".1f"), ("gflops", "GFLOP/s", ".0f"),
+                                  ("vs_bf16", "/ bf16 GEMM rate", ".2f")]))
+    write_json(a.json, {"args": vars(a), **res})
+
+
+if __name__ == "__main__":
+    main()
