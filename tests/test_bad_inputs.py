@@ -202,6 +202,130 @@ def test_a_wrong_resume_leaves_the_run_as_it_was(tmp_path, capsys, finished_run,
     assert snapshot(run) == before
 
 
+# ---- a resume that would train something else: refused, the run left as it was
+
+def length_reward(completion: str, **_) -> float:
+    return float(len(completion) % 3)
+
+
+def other_reward(completion: str, **_) -> float:
+    return 1.0
+
+
+ROWS = [{"prompt": f"{i}+1?", "answer": str(i + 1)} for i in range(12)]
+PY_RUN = QUICK + ["data.task=math", "data.n_eval=2"]
+
+
+@pytest.fixture(scope="module")
+def python_run(tmp_path_factory):
+    """A finished 1-step run whose reward and rows were Python objects."""
+    run = tmp_path_factory.mktemp("python") / "run"
+    train(load_config(overrides=PY_RUN), run, reward_fn=length_reward, train_data=ROWS)
+    return run
+
+
+@pytest.fixture(scope="module")
+def file_run(tmp_path_factory):
+    """A finished 1-step run on a math file, scored by a reward named in the config."""
+    run = tmp_path_factory.mktemp("file") / "run"
+    data = tmp_path_factory.mktemp("data") / "math.jsonl"
+    shutil.copy(DATA / "math_mini.jsonl", data)
+    train(load_config(overrides=QUICK + ["data.task=math", f"data.path={data}", "data.n_eval=2",
+                                         f"data.reward={USER}:constant"]), run)
+    return run, data
+
+
+def copied(run: Path, tmp_path: Path) -> tuple[Path, dict]:
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run", snapshot(tmp_path / "run")
+
+
+def test_a_python_run_resumed_from_the_cli_is_refused(tmp_path, capsys, python_run):
+    run, before = copied(python_run, tmp_path)
+    fails_cleanly(capsys, "train", "--resume", str(run), "train.steps=2",
+                  says="trained on train_data rows given from Python")
+    assert snapshot(run) == before
+
+
+def test_a_python_resume_with_other_rows_or_another_reward_is_refused(tmp_path, python_run):
+    from gspo.errors import TrainingError
+    run, before = copied(python_run, tmp_path)
+    cfg = load_config(overrides=PY_RUN + ["train.steps=2"])
+    other_rows = ROWS[:-1] + [{"prompt": "100+1?", "answer": "101"}]
+    with pytest.raises(TrainingError, match="rows differ .* the rows given from Python differ"):
+        train(cfg, run, resume=True, reward_fn=length_reward, train_data=other_rows)
+    with pytest.raises(TrainingError, match="cannot change the reward to test_bad_inputs:"
+                                            "other_reward given from Python"):
+        train(cfg, run, resume=True, reward_fn=other_reward, train_data=ROWS)
+    with pytest.raises(TrainingError, match="cannot change the reward to the math task's own"):
+        train(cfg, run, resume=True, train_data=ROWS)
+    assert snapshot(run) == before
+    train(cfg, run, resume=True, reward_fn=length_reward, train_data=ROWS)  # the same: resumes
+    assert (run / "checkpoints" / "step_000002").is_dir()
+
+
+@pytest.mark.parametrize("change, says", [
+    ("data.path", "cannot change data.path="),
+    ("data.n_eval=3", "data.n_eval=3 (trained with 2)"),
+    ("edit", "the data file's contents changed"),
+    ("data.reward=math", "cannot change the reward to the math task's own reward (trained "
+                         "with data.reward="),
+])
+def test_a_resume_on_other_data_or_another_reward_is_refused(tmp_path, capsys, file_run, change,
+                                                             says):
+    run, before = copied(file_run[0], tmp_path)
+    if change == "data.path":
+        change = f"data.path={DATA / 'gsm8k_mini.jsonl'}"
+    elif change == "edit":  # the file the run was trained on, changed in place
+        file_run[1].write_text(file_run[1].read_text().replace("11", "12"))
+    args = [change] if "=" in change else []
+    try:
+        fails_cleanly(capsys, "train", "--resume", str(run), "train.steps=2", *args, says=says)
+        fails_cleanly(capsys, "train", "--dry-run", "--resume", str(run), "train.steps=2",
+                      *args, says=says)
+    finally:
+        shutil.copy(DATA / "math_mini.jsonl", file_run[1])
+    assert snapshot(run) == before
+
+
+def test_fewer_steps_than_done_is_refused(tmp_path, capsys, finished_run):
+    run, before = copied(finished_run, tmp_path)
+    fails_cleanly(capsys, "train", "--resume", str(run), "train.steps=1",
+                  says="train.steps=1 but the run has done 2 RL steps")
+    assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("args, says", [
+    (["algorithm=grpo"], "cannot change algorithm.name=grpo (trained with gspo)"),
+    (["model.hidden_size=64"], "cannot change model.hidden_size=64 (trained with 32)"),
+])
+def test_a_deleted_config_yaml_does_not_skip_the_checks(tmp_path, capsys, finished_run, args,
+                                                        says):
+    run, _ = copied(finished_run, tmp_path)
+    config = shutil.copy(run / "config.yaml", tmp_path / "x.yaml")
+    (run / "config.yaml").unlink()
+    before = snapshot(run)
+    fails_cleanly(capsys, "train", "--resume", str(run), "--config", str(config),
+                  "train.steps=3", *args, says=says)
+    assert snapshot(run) == before and not (run / "config.yaml").exists()
+
+
+def test_a_deleted_config_yaml_is_resumed_from_the_checkpoint(tmp_path, finished_run):
+    run, _ = copied(finished_run, tmp_path)
+    saved = (run / "config.yaml").read_text()
+    (run / "config.yaml").unlink()
+    assert main(["train", "--resume", str(run), "train.steps=3"]) == 0
+    assert (run / "config.yaml").read_text() == saved.replace("steps: 2\n", "steps: 3\n", 1)
+    # an old checkpoint (no run.json) without config.yaml: it says to pass --config
+    (run / "config.yaml").unlink()
+    for record in (run / "checkpoints").glob("step_*/run.json"):
+        record.unlink()
+        manifest = json.loads((record.parent / "manifest.json").read_text())
+        del manifest["files"]["run.json"]
+        (record.parent / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["train", "--resume", str(run), "train.steps=4"]) == 2
+
+
 def test_training_into_a_finished_run_or_resuming_an_empty_one(tmp_path, capsys, finished_run):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)

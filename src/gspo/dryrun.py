@@ -32,6 +32,7 @@ from gspo.distributed import Dist, resolve_device
 from gspo.engines import engine_class
 from gspo.errors import ConfigError
 from gspo.rewards import close_reward
+from gspo.runrecord import check_rows
 from gspo.tasks import build_task, get_task
 from gspo.tasks.datasets import DatasetError
 from gspo.trainer import (build_model, check_launch, data_parallel_mode, fitting_prompts,
@@ -54,12 +55,20 @@ def dry_run(cfg: Config, world: int | None = None, run_dir: str | Path | None = 
     warnings = machine_warnings(cfg)
     check_launch(cfg, world)
     mode = data_parallel_mode(cfg, Dist(world=world))
+    record = None
     if run_dir is not None and Path(run_dir).exists():
-        run_dir_checkpoint(cfg, Path(run_dir), resume, verify=False)
+        _, record = run_dir_checkpoint(cfg, Path(run_dir), resume, verify=False,
+                                       reward_fn=reward_fn, train_data=train_data,
+                                       eval_data=eval_data)
     model, tokenizer = build_model(cfg, weights=False)
     bad_rows: list[str] = []
     train_rows, eval_rows, reward, solution = build_task(cfg.data, train_data, eval_data,
                                                          reward_fn, bad_rows)
+    try:
+        check_rows(record, cfg, Path(run_dir or "."), train_rows, eval_rows)
+    except BaseException:
+        close_reward(reward)
+        raise
     if bad_rows and cfg.data.on_bad_row == "fail":
         raise DatasetError(f"{len(bad_rows)} malformed row(s): {'; '.join(bad_rows[:5])}"
                            f"{'; ...' if len(bad_rows) > 5 else ''} (data.on_bad_row=skip "

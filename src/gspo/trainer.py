@@ -35,7 +35,7 @@ import transformers
 
 from gspo.checkpoint import (latest_checkpoint, load_checkpoint, read_reference,
                              read_training_state, save_checkpoint)
-from gspo.config import Config, load_config, save_config, to_dict
+from gspo.config import Config, save_config, to_dict
 from gspo.data import encode_prompts, score
 from gspo.distributed import (Dist, Policy, as_local, broadcast_weights, checkpoint_state,
                                fsdp_available, init_distributed, iter_weights,
@@ -45,6 +45,7 @@ from gspo.evaluation import decode_responses, evaluate
 from gspo.logger import MetricsLogger
 from gspo.rewards import RewardFn, close_reward
 from gspo.runlock import exclusive
+from gspo.runrecord import check_resume, check_rows, make_record, write_record
 from gspo.signals import Interrupted, StopRequest
 from gspo.lora import (ADAPTER_DIR, LoraUnavailable, add_lora, is_lora, load_adapter,
                        merged_weights, save_adapter)
@@ -305,6 +306,8 @@ class Run:
     micro: int                               # rows per forward (algorithm.micro_batch_size)
     checkpoint: Path | None                  # the checkpoint resumed from
     state: dict                              # its training state (step, accuracies, RNG)
+    record: dict                             # what the run is (gspo.runrecord), saved with each
+                                             # checkpoint
     warmup_s: float = 0.0
     reward_window: list = field(default_factory=list)  # (completions, failures) of recent steps
     constant_reward_steps: int = 0           # consecutive steps whose rewards were all equal
@@ -318,14 +321,6 @@ def policy_weights(policy, model):
     """(name, tensor) of the policy as a plain model, for the rollout engine and pi_ref: LoRA's
     merged weights, else the model's own (gathered one at a time when sharded)."""
     return merged_weights(model) if is_lora(model) else iter_weights(policy, model)
-
-
-FROZEN = ("model.name_or_path", "model.hidden_size", "model.num_layers", "model.num_heads",
-          "model.num_kv_heads", "model.intermediate_size", "model.num_experts",
-          "model.num_experts_per_tok", "model.moe_intermediate_size", "model.lora_rank",
-          "model.lora_target_modules", "algorithm.name")
-"""What a resume cannot change: the model's shape (the checkpoint would not fit it) and the
-objective (its presets, e.g. the clip range, were resolved into the saved config)."""
 
 
 def fitting_prompts(rows: list[dict], what: str, model, tokenizer, cfg: Config) -> list[dict]:
@@ -354,17 +349,6 @@ def fitting_prompts(rows: list[dict], what: str, model, tokenizer, cfg: Config) 
         raise TrainingError(f"{message}: shorten them, or set data.on_bad_row=skip")
     log.warning("%s; skipped", message)
     return [r for j, r in enumerate(rows) if j not in too_long]
-
-
-def refuse_frozen_changes(saved: Config, cfg: Config, run_dir: Path) -> None:
-    def get(c, key):
-        section, name = key.split(".")
-        return getattr(getattr(c, section), name)
-    changed = [f"{k}={get(cfg, k)} (trained with {get(saved, k)})" for k in FROZEN
-               if get(cfg, k) != get(saved, k)]
-    if changed:
-        raise TrainingError(f"--resume {run_dir} cannot change {', '.join(changed)}: start a new "
-                            f"run with --output-dir for that")
 
 
 def build_engine(model, tokenizer, cfg: Config, own_copy: bool = False) -> RolloutEngine:
@@ -417,20 +401,21 @@ def check_launch(cfg: Config, world: int, n_train_rows: int | None = None,
                             f"share of the batch)")
 
 
-def run_dir_checkpoint(cfg: Config, run_dir: Path, resume: bool,
-                       verify: bool = True) -> Path | None:
-    """The checkpoint a resume starts from (None for a new run), after refusing a new run in a
-    directory that holds checkpoints and a resume that changes what cannot change. verify:
-    check the checkpoint's files against its manifest (reads them all)."""
+def run_dir_checkpoint(cfg: Config, run_dir: Path, resume: bool, verify: bool = True,
+                       **objects) -> tuple[Path | None, dict | None]:
+    """(the checkpoint a resume starts from, its run record; None, None for a new run), after
+    refusing a new run in a directory that holds checkpoints and a resume that changes what the
+    run was (gspo.runrecord.check_resume). verify: check the checkpoint's files against its
+    manifest (reads them all). objects: reward_fn, train_data, eval_data as for `train`."""
     if not resume and latest_checkpoint(run_dir) is not None:
         raise TrainingError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
                             f"continue it or choose a new --output-dir")
-    ckpt = latest_checkpoint(run_dir, verify=verify) if resume else None
-    if resume and ckpt is None:
+    if not resume:
+        return None, None
+    ckpt = latest_checkpoint(run_dir, verify=verify)
+    if ckpt is None:
         raise TrainingError(f"--resume {run_dir}: no finished checkpoint found there")
-    if resume and (run_dir / "config.yaml").is_file():
-        refuse_frozen_changes(load_config(run_dir / "config.yaml"), cfg, run_dir)
-    return ckpt
+    return ckpt, check_resume(cfg, run_dir, ckpt, **objects)
 
 
 def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train_data=None,
@@ -442,14 +427,21 @@ def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train
     require_trackers(t.report_to)  # a missing package fails now, not after the warm-up
     d = init_distributed(t.device, t.dist_timeout_s)
     check_launch(cfg, d.world)  # before anything is loaded; the warm-up batch once rows are
-    ckpt = run_dir_checkpoint(cfg, run_dir, resume)
+    ckpt, record = run_dir_checkpoint(cfg, run_dir, resume, reward_fn=reward_fn,
+                                      train_data=train_data, eval_data=eval_data)
     run_dir.mkdir(parents=True, exist_ok=True)
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar per save
     torch.manual_seed(t.seed)
 
     # the data first: a bad row fails the run before a large model is loaded
-    train_rows, eval_rows, reward_fn, solution = build_task(cfg.data, train_data, eval_data,
-                                                            reward_fn)
+    train_rows, eval_rows, reward, solution = build_task(cfg.data, train_data, eval_data,
+                                                         reward_fn)
+    try:
+        check_rows(record, cfg, run_dir, train_rows, eval_rows)
+    except TrainingError:
+        close_reward(reward)
+        raise
+    what_it_was = make_record(cfg, reward_fn, train_data, eval_data, train_rows, eval_rows)
     model, tokenizer = build_model(cfg, d.device)
     train_rows, eval_rows = (fitting_prompts(rows, what, model, tokenizer, cfg)
                              for rows, what in ((train_rows, "training"), (eval_rows, "held-out")))
@@ -458,7 +450,11 @@ def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train
     lora = cfg.model.lora_rank > 0
     if ckpt is not None:  # weights and RNG now, the optimiser's state once it is built
         # LoRA: the base stays as loaded; the adapter is restored once it is injected
-        state = load_checkpoint(ckpt, model, load_weights=not lora)
+        try:
+            state = load_checkpoint(ckpt, model, load_weights=not lora)
+        except ValueError as e:  # an old checkpoint (no run.json) of another shape
+            raise TrainingError(f"--resume {run_dir}: {e}; start a new run with --output-dir "
+                                f"for a model of another shape") from None
         log.info("resumed from %s at step %d", ckpt, state["step"])
     broadcast_weights(model, d)  # every rank starts from rank 0's weights
     mode = data_parallel_mode(cfg, d)
@@ -488,10 +484,10 @@ def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train
         rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size // d.world  # this rank's
         return Run(cfg=cfg, run_dir=run_dir, dist=d, model=model, policy=policy,
                    tokenizer=tokenizer, engine=engine, optimizer=optimizer, scheduler=scheduler,
-                   train_rows=train_rows, eval_rows=eval_rows, reward_fn=reward_fn,
+                   train_rows=train_rows, eval_rows=eval_rows, reward_fn=reward,
                    solution=solution, ref_policy=ref_policy, routing=routing, gen=gen,
                    micro=a.micro_batch_size or rows // a.minibatches, checkpoint=ckpt,
-                   state=state)
+                   state=state, record=what_it_was)
     except BaseException:
         engine.close()
         raise
@@ -775,15 +771,18 @@ def save(run: Run, done: int, start_acc, final_acc) -> int:
     if lora:  # the merged model for plain transformers; lora/ for an exact resume
         weights = dict(merged_weights(run.model))
     reference = run.ref_policy.model.state_dict() if run.ref_policy else None
+    def extra(d: Path) -> None:  # inside the checkpoint's atomic write
+        write_record(d, run.record)
+        if lora:
+            save_adapter(run.model, d / ADAPTER_DIR)
+
     if run.dist.is_main:
         save_checkpoint(run.run_dir, done, run.model, run.tokenizer, run.optimizer,
                         run.scheduler, {"step": done, "start_accuracy": start_acc,
                                         "final_accuracy": final_acc,
                                         "update_rng": run.gen.get_state()},
                         keep_last=run.cfg.train.keep_last, weights=weights,
-                        optimizer_state=optimizer_state, reference=reference,
-                        extra=(lambda d: save_adapter(run.model, d / ADAPTER_DIR))
-                        if lora else None)
+                        optimizer_state=optimizer_state, reference=reference, extra=extra)
     return done
 
 
