@@ -9,7 +9,9 @@ they test; this file keeps the list in one place, so a new case is one line.
 
 import hashlib
 import json
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,13 @@ def fails_cleanly(capsys, *argv: str, says: str) -> str:
     assert last.startswith(("gspo: error:", "gspo plot: error:", "gspo eval: error:")), err[-2000:]
     assert says in last, f"{says!r} not in {last!r}"
     return last
+
+
+def write_dir(path: Path, files: dict[str, str]) -> Path:
+    path.mkdir(parents=True)
+    for name, content in files.items():
+        write(path / name, content)
+    return path
 
 
 def write(path: Path, content: bytes | str) -> Path:
@@ -159,6 +168,41 @@ def test_missing_data_and_a_prompt_longer_than_the_context(tmp_path, capsys):
     path = write(tmp_path / "long.jsonl", "\n".join(json.dumps(r) for r in rows))
     fails_cleanly(capsys, "train", "--output-dir", str(tmp_path / "r2"), *QUICK, "data.task=math",
                   f"data.path={path}", "data.n_eval=2", says="do not fit the model's context")
+
+
+@pytest.mark.parametrize("n_rows, args, says", [
+    (1, ["data.eval_path=EVAL"], "has 1 training row(s)"),
+    (3, ["data.n_eval=1"], "has 2 training row(s) (held-out rows not counted), fewer than the "
+                           "rollout.prompts_per_step=4"),
+])
+def test_fewer_rows_than_a_step_draws(tmp_path, capsys, n_rows, args, says):
+    rows = "".join(json.dumps({"prompt": f"{i}+1?", "answer": str(i + 1)}) + "\n"
+                   for i in range(n_rows))
+    path, held_out = write(tmp_path / "rows.jsonl", rows), write(tmp_path / "eval.jsonl", rows)
+    args = [a.replace("EVAL", str(held_out)) for a in args]
+    for dry in ([], ["--dry-run"]):  # the dry run reports what the step would really hold
+        fails_cleanly(capsys, "train", *dry, "--output-dir", str(tmp_path / "r"), *QUICK,
+                      "data.task=math", f"data.path={path}", "rollout.prompts_per_step=4",
+                      f"data.reward={USER}:constant", *args, says=says)
+
+
+def test_fewer_held_out_rows_than_ranks(tmp_path, capsys):
+    rows = [json.dumps({"prompt": f"{i}+1?", "answer": str(i + 1)}) for i in range(4)]
+    path, one = write(tmp_path / "rows.jsonl", "\n".join(rows)), write(tmp_path / "one.jsonl", rows[0])
+    fails_cleanly(capsys, "train", "--dry-run", "--world-size", "2", *QUICK, "data.task=math",
+                  f"data.path={path}", f"data.eval_path={one}", "algorithm.minibatches=1",
+                  "train.eval_every=1", f"data.reward={USER}:constant",
+                  says="1 held-out row(s) for 2 ranks")
+
+
+@pytest.mark.parametrize("source", [str(DATA / "math_mini.parquet"), "openai/gsm8k"])
+def test_parquet_or_a_hub_dataset_without_the_data_extra(tmp_path, capsys, monkeypatch, source):
+    for module in ("pyarrow", "pyarrow.parquet", "datasets"):
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed: import fails
+    for dry in ([], ["--dry-run"]):
+        fails_cleanly(capsys, "train", *dry, "--output-dir", str(tmp_path / "r"), *QUICK,
+                      "data.task=math", f"data.path={source}", "data.n_eval=1",
+                      says="pip install 'gspo[data]'")
 
 
 # ---- rewards
@@ -349,6 +393,24 @@ def test_every_checkpoint_damaged_is_one_error_and_nothing_is_deleted(tmp_path, 
     assert snapshot(run) == before
 
 
+@pytest.mark.parametrize("where, says", [
+    ("file", "it is a file, not a directory"),
+    ("file/run", "file is a file, not a directory"),
+    ("x" * 300, "longer than the 255 bytes a file name may have"),
+    ("read-only/run", "not writable here (permissions, or a read-only filesystem)"),
+])
+def test_a_run_directory_that_cannot_be_written(tmp_path, capsys, monkeypatch, where, says):
+    write(tmp_path / "file", "my notes")
+    (tmp_path / "read-only").mkdir()
+    access = os.access  # root may write anywhere: a read-only filesystem refuses it even so
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: (
+        "read-only" not in str(p) and access(p, mode, **kw)))
+    for how in (["--output-dir"], ["--dry-run", "--output-dir"], ["--resume"]):
+        fails_cleanly(capsys, "train", *how, str(tmp_path / where), *QUICK, says=says)
+    assert (tmp_path / "file").read_text() == "my notes"
+    assert list((tmp_path / "read-only").iterdir()) == []
+
+
 def test_a_run_directory_in_use(tmp_path, capsys, finished_run):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
@@ -367,4 +429,24 @@ def test_eval_plot_and_fetch_model_mistakes(tmp_path, capsys, finished_run):
     fails_cleanly(capsys, "eval", "--model", str(tmp_path / "nope"), "--data",
                   str(DATA / "math_mini.jsonl"), "--task", "math", says="nope")
     fails_cleanly(capsys, "plot", str(tmp_path / "no-run"), says="no-run")
+    fails_cleanly(capsys, "eval", "--model", str(finished_run / "config.yaml"), "--data",
+                  str(DATA / "math_mini.jsonl"), "--task", "math", says="is a file; pass a model")
+    lora = write_dir(tmp_path / "step_000001" / "lora", {"adapter_config.json": "{}"})
+    fails_cleanly(capsys, "eval", "--model", str(lora), "--data", str(DATA / "math_mini.jsonl"),
+                  "--task", "math", says=f"LoRA adapter alone, not a model; pass the checkpoint "
+                                         f"that holds it, {lora.parent}")
+    fails_cleanly(capsys, "eval", "--model", str(tmp_path), "--data",
+                  str(DATA / "math_mini.jsonl"), "--task", "math",
+                  says="neither a model directory (no config.json) nor a run directory")
     fails_cleanly(capsys, "fetch-model", "smollm2-999m", says="unknown pretrained model")
+
+
+@pytest.mark.parametrize("where", ["", "checkpoints", "checkpoints/latest"])
+def test_eval_takes_a_run_directory_for_its_latest_checkpoint(tmp_path, capsys, finished_run,
+                                                              where):
+    out = tmp_path / "eval.jsonl"
+    assert main(["eval", "--model", str(finished_run / where), "--data",
+                 str(DATA / "math_mini.jsonl"), "--task", "math", "--k", "1", "--limit", "2",
+                 "--max-new-tokens", "4", "--output", str(out)]) == 0
+    assert "step_000002, the latest checkpoint of" in capsys.readouterr().err
+    assert out.is_file()

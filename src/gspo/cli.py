@@ -97,12 +97,12 @@ def resume_config(run_dir: Path, config: str | None, overrides: list[str]):
     from gspo.checkpoint import latest_checkpoint
     from gspo.config import load_config
     from gspo.errors import TrainingError
+    from gspo.runlock import check_run_dir
     from gspo.runrecord import read_record, saved_config
 
+    check_run_dir(run_dir)
     if config is not None:
         return load_config(config, overrides)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise TrainingError(f"--resume {run_dir}: not a directory; pass a run directory")
     if (run_dir / "config.yaml").is_file():
         return load_config(run_dir / "config.yaml", overrides)
     ckpt = latest_checkpoint(run_dir) if run_dir.is_dir() else None

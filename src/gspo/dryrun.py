@@ -32,6 +32,7 @@ from gspo.distributed import Dist, resolve_device
 from gspo.engines import engine_class
 from gspo.errors import ConfigError
 from gspo.rewards import close_reward
+from gspo.runlock import check_run_dir
 from gspo.runrecord import check_rows
 from gspo.tasks import build_task, get_task
 from gspo.tasks.datasets import DatasetError
@@ -56,6 +57,8 @@ def dry_run(cfg: Config, world: int | None = None, run_dir: str | Path | None = 
     check_launch(cfg, world)
     mode = data_parallel_mode(cfg, Dist(world=world))
     record = None
+    if run_dir is not None:
+        check_run_dir(run_dir)
     if run_dir is not None and Path(run_dir).exists():
         _, record = run_dir_checkpoint(cfg, Path(run_dir), resume, verify=False,
                                        reward_fn=reward_fn, train_data=train_data,
@@ -75,7 +78,7 @@ def dry_run(cfg: Config, world: int | None = None, run_dir: str | Path | None = 
                            f"leaves such rows out)")
     train_rows, eval_rows = (fitting_prompts(rows, what, model, tokenizer, cfg)
                              for rows, what in ((train_rows, "training"), (eval_rows, "held-out")))
-    check_launch(cfg, world, len(train_rows), resume)
+    check_launch(cfg, world, len(train_rows), resume, len(eval_rows))
     if cfg.warmup.steps and not resume:
         solution(train_rows[0])  # a task without worked solutions says to set warmup.steps=0
     value, sample = try_reward(cfg, reward, solution, train_rows[0])

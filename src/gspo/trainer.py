@@ -369,11 +369,12 @@ def engine_options(r) -> dict:
 
 
 def check_launch(cfg: Config, world: int, n_train_rows: int | None = None,
-                 resume: bool = False) -> None:
+                 resume: bool = False, n_eval_rows: int | None = None) -> None:
     """What a run on `world` ranks needs that the config alone cannot check: how the step's
-    prompts, each rank's rollouts and the warm-up batch divide over the ranks (the warm-up only
-    once the `n_train_rows` are known), and what runs in one process only. Shared by `prepare`
-    and `gspo train --dry-run` (which passes a planned world size)."""
+    prompts, each rank's rollouts and the warm-up batch divide over the ranks, whether there
+    are rows enough for a step and for each rank's share of the evaluation (once the rows are
+    known), and what runs in one process only. Shared by `prepare` and `gspo train --dry-run`
+    (which passes a planned world size)."""
     r, a = cfg.rollout, cfg.algorithm
     if r.prompts_per_step % world:
         raise TrainingError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible "
@@ -394,6 +395,17 @@ def check_launch(cfg: Config, world: int, n_train_rows: int | None = None,
         raise TrainingError(f"routing replay with old_logprobs=rollout needs an engine that "
                             f"records MoE routing; rollout.engine={r.engine} does not (use "
                             f"rollout.engine=hf or algorithm.old_logprobs=recompute)")
+    source = cfg.data.path or "the training rows"
+    if n_train_rows is not None and n_train_rows < r.prompts_per_step:
+        raise TrainingError(f"{source} has {n_train_rows} training row(s) (held-out rows not "
+                            f"counted), fewer than the rollout.prompts_per_step="
+                            f"{r.prompts_per_step} distinct prompts each RL step draws; add rows "
+                            f"or lower rollout.prompts_per_step (a divisor of the ranks' and "
+                            f"minibatches' counts)")
+    if n_eval_rows is not None and cfg.train.eval_every > 0 and n_eval_rows < world:
+        raise TrainingError(f"{n_eval_rows} held-out row(s) for {world} ranks: each rank "
+                            f"evaluates its share; add held-out rows (data.n_eval, "
+                            f"data.eval_path) or set train.eval_every=0")
     warm_batch = min(cfg.warmup.batch_size, n_train_rows or 0)
     if n_train_rows is not None and cfg.warmup.steps and not resume and warm_batch % world:
         raise TrainingError(f"the warm-up batch ({warm_batch} = min(warmup.batch_size, training "
@@ -445,7 +457,7 @@ def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train
     model, tokenizer = build_model(cfg, d.device)
     train_rows, eval_rows = (fitting_prompts(rows, what, model, tokenizer, cfg)
                              for rows, what in ((train_rows, "training"), (eval_rows, "held-out")))
-    check_launch(cfg, d.world, len(train_rows), resume)
+    check_launch(cfg, d.world, len(train_rows), resume, len(eval_rows))
     state = {}
     lora = cfg.model.lora_rank > 0
     if ckpt is not None:  # weights and RNG now, the optimiser's state once it is built
