@@ -213,6 +213,7 @@ def test_parquet_or_a_hub_dataset_without_the_data_extra(tmp_path, capsys, monke
     ("/no/such/file.py:f", "not found"),
     (f"{USER}:exits", "SystemExit"),
     (f"{USER}:absurd", "1e+30"),
+    (f"{USER}:text", "the reward returned the text '1', not a number"),
 ])
 def test_a_reward_that_cannot_score(tmp_path, capsys, reward, says):
     fails_cleanly(capsys, "train", "--output-dir", str(tmp_path / "r"), *QUICK,
@@ -411,6 +412,35 @@ def test_a_run_directory_that_cannot_be_written(tmp_path, capsys, monkeypatch, w
     assert list((tmp_path / "read-only").iterdir()) == []
 
 
+def _delete(path: Path) -> None:
+    path.unlink()
+
+
+def _cut_the_last_line(path: Path) -> None:  # a crash mid-write
+    path.write_text(path.read_text()[:-40])
+
+
+def _tear_a_middle_line(path: Path) -> None:  # a torn write, then more rows
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + lines[1][:30] + "\n" + "".join(lines[2:]))
+
+
+@pytest.mark.parametrize("damage, says", [
+    (_delete, "metrics.jsonl is missing: restored"),
+    (_cut_the_last_line, "lacks the rows of steps 2: restored"),
+    (_tear_a_middle_line, "lacks the rows of steps 1: restored"),
+])
+def test_a_damaged_metrics_file_is_repaired_from_the_checkpoint(tmp_path, caplog, finished_run,
+                                                                damage, says):
+    from gspo.logger import read_metrics
+    run, _ = copied(finished_run, tmp_path)
+    rows = read_metrics(run)
+    damage(run / "metrics.jsonl")
+    assert main(["train", "--resume", str(run), "train.steps=3"]) == 0
+    assert says in caplog.text
+    assert read_metrics(run)[:3] == rows and [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
+
+
 def test_a_run_directory_in_use(tmp_path, capsys, finished_run):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
@@ -439,6 +469,11 @@ def test_eval_plot_and_fetch_model_mistakes(tmp_path, capsys, finished_run):
                   str(DATA / "math_mini.jsonl"), "--task", "math",
                   says="neither a model directory (no config.json) nor a run directory")
     fails_cleanly(capsys, "fetch-model", "smollm2-999m", says="unknown pretrained model")
+    mine = write_dir(tmp_path / "mywork", {"notes.txt": "keep me"})
+    for force in ([], ["--force"]):
+        fails_cleanly(capsys, "fetch-model", "smollm2-135m-instruct", "--output", str(mine),
+                      *force, says="is not a model gspo fetch-model wrote, so it is left as it is")
+    assert (mine / "notes.txt").read_text() == "keep me"
 
 
 @pytest.mark.parametrize("where", ["", "checkpoints", "checkpoints/latest"])
