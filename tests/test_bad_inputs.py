@@ -9,7 +9,9 @@ they test; this file keeps the list in one place, so a new case is one line.
 
 import hashlib
 import json
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,13 @@ def fails_cleanly(capsys, *argv: str, says: str) -> str:
     assert last.startswith(("gspo: error:", "gspo plot: error:", "gspo eval: error:")), err[-2000:]
     assert says in last, f"{says!r} not in {last!r}"
     return last
+
+
+def write_dir(path: Path, files: dict[str, str]) -> Path:
+    path.mkdir(parents=True)
+    for name, content in files.items():
+        write(path / name, content)
+    return path
 
 
 def write(path: Path, content: bytes | str) -> Path:
@@ -161,6 +170,41 @@ def test_missing_data_and_a_prompt_longer_than_the_context(tmp_path, capsys):
                   f"data.path={path}", "data.n_eval=2", says="do not fit the model's context")
 
 
+@pytest.mark.parametrize("n_rows, args, says", [
+    (1, ["data.eval_path=EVAL"], "has 1 training row(s)"),
+    (3, ["data.n_eval=1"], "has 2 training row(s) (held-out rows not counted), fewer than the "
+                           "rollout.prompts_per_step=4"),
+])
+def test_fewer_rows_than_a_step_draws(tmp_path, capsys, n_rows, args, says):
+    rows = "".join(json.dumps({"prompt": f"{i}+1?", "answer": str(i + 1)}) + "\n"
+                   for i in range(n_rows))
+    path, held_out = write(tmp_path / "rows.jsonl", rows), write(tmp_path / "eval.jsonl", rows)
+    args = [a.replace("EVAL", str(held_out)) for a in args]
+    for dry in ([], ["--dry-run"]):  # the dry run reports what the step would really hold
+        fails_cleanly(capsys, "train", *dry, "--output-dir", str(tmp_path / "r"), *QUICK,
+                      "data.task=math", f"data.path={path}", "rollout.prompts_per_step=4",
+                      f"data.reward={USER}:constant", *args, says=says)
+
+
+def test_fewer_held_out_rows_than_ranks(tmp_path, capsys):
+    rows = [json.dumps({"prompt": f"{i}+1?", "answer": str(i + 1)}) for i in range(4)]
+    path, one = write(tmp_path / "rows.jsonl", "\n".join(rows)), write(tmp_path / "one.jsonl", rows[0])
+    fails_cleanly(capsys, "train", "--dry-run", "--world-size", "2", *QUICK, "data.task=math",
+                  f"data.path={path}", f"data.eval_path={one}", "algorithm.minibatches=1",
+                  "train.eval_every=1", f"data.reward={USER}:constant",
+                  says="1 held-out row(s) for 2 ranks")
+
+
+@pytest.mark.parametrize("source", [str(DATA / "math_mini.parquet"), "openai/gsm8k"])
+def test_parquet_or_a_hub_dataset_without_the_data_extra(tmp_path, capsys, monkeypatch, source):
+    for module in ("pyarrow", "pyarrow.parquet", "datasets"):
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed: import fails
+    for dry in ([], ["--dry-run"]):
+        fails_cleanly(capsys, "train", *dry, "--output-dir", str(tmp_path / "r"), *QUICK,
+                      "data.task=math", f"data.path={source}", "data.n_eval=1",
+                      says="pip install 'gspo[data]'")
+
+
 # ---- rewards
 
 @pytest.mark.parametrize("reward, says", [
@@ -169,6 +213,7 @@ def test_missing_data_and_a_prompt_longer_than_the_context(tmp_path, capsys):
     ("/no/such/file.py:f", "not found"),
     (f"{USER}:exits", "SystemExit"),
     (f"{USER}:absurd", "1e+30"),
+    (f"{USER}:text", "the reward returned the text '1', not a number"),
 ])
 def test_a_reward_that_cannot_score(tmp_path, capsys, reward, says):
     fails_cleanly(capsys, "train", "--output-dir", str(tmp_path / "r"), *QUICK,
@@ -202,6 +247,130 @@ def test_a_wrong_resume_leaves_the_run_as_it_was(tmp_path, capsys, finished_run,
     assert snapshot(run) == before
 
 
+# ---- a resume that would train something else: refused, the run left as it was
+
+def length_reward(completion: str, **_) -> float:
+    return float(len(completion) % 3)
+
+
+def other_reward(completion: str, **_) -> float:
+    return 1.0
+
+
+ROWS = [{"prompt": f"{i}+1?", "answer": str(i + 1)} for i in range(12)]
+PY_RUN = QUICK + ["data.task=math", "data.n_eval=2"]
+
+
+@pytest.fixture(scope="module")
+def python_run(tmp_path_factory):
+    """A finished 1-step run whose reward and rows were Python objects."""
+    run = tmp_path_factory.mktemp("python") / "run"
+    train(load_config(overrides=PY_RUN), run, reward_fn=length_reward, train_data=ROWS)
+    return run
+
+
+@pytest.fixture(scope="module")
+def file_run(tmp_path_factory):
+    """A finished 1-step run on a math file, scored by a reward named in the config."""
+    run = tmp_path_factory.mktemp("file") / "run"
+    data = tmp_path_factory.mktemp("data") / "math.jsonl"
+    shutil.copy(DATA / "math_mini.jsonl", data)
+    train(load_config(overrides=QUICK + ["data.task=math", f"data.path={data}", "data.n_eval=2",
+                                         f"data.reward={USER}:constant"]), run)
+    return run, data
+
+
+def copied(run: Path, tmp_path: Path) -> tuple[Path, dict]:
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run", snapshot(tmp_path / "run")
+
+
+def test_a_python_run_resumed_from_the_cli_is_refused(tmp_path, capsys, python_run):
+    run, before = copied(python_run, tmp_path)
+    fails_cleanly(capsys, "train", "--resume", str(run), "train.steps=2",
+                  says="trained on train_data rows given from Python")
+    assert snapshot(run) == before
+
+
+def test_a_python_resume_with_other_rows_or_another_reward_is_refused(tmp_path, python_run):
+    from gspo.errors import TrainingError
+    run, before = copied(python_run, tmp_path)
+    cfg = load_config(overrides=PY_RUN + ["train.steps=2"])
+    other_rows = ROWS[:-1] + [{"prompt": "100+1?", "answer": "101"}]
+    with pytest.raises(TrainingError, match="rows differ .* the rows given from Python differ"):
+        train(cfg, run, resume=True, reward_fn=length_reward, train_data=other_rows)
+    with pytest.raises(TrainingError, match="cannot change the reward to test_bad_inputs:"
+                                            "other_reward given from Python"):
+        train(cfg, run, resume=True, reward_fn=other_reward, train_data=ROWS)
+    with pytest.raises(TrainingError, match="cannot change the reward to the math task's own"):
+        train(cfg, run, resume=True, train_data=ROWS)
+    assert snapshot(run) == before
+    train(cfg, run, resume=True, reward_fn=length_reward, train_data=ROWS)  # the same: resumes
+    assert (run / "checkpoints" / "step_000002").is_dir()
+
+
+@pytest.mark.parametrize("change, says", [
+    ("data.path", "cannot change data.path="),
+    ("data.n_eval=3", "data.n_eval=3 (trained with 2)"),
+    ("edit", "the data file's contents changed"),
+    ("data.reward=math", "cannot change the reward to the math task's own reward (trained "
+                         "with data.reward="),
+])
+def test_a_resume_on_other_data_or_another_reward_is_refused(tmp_path, capsys, file_run, change,
+                                                             says):
+    run, before = copied(file_run[0], tmp_path)
+    if change == "data.path":
+        change = f"data.path={DATA / 'gsm8k_mini.jsonl'}"
+    elif change == "edit":  # the file the run was trained on, changed in place
+        file_run[1].write_text(file_run[1].read_text().replace("11", "12"))
+    args = [change] if "=" in change else []
+    try:
+        fails_cleanly(capsys, "train", "--resume", str(run), "train.steps=2", *args, says=says)
+        fails_cleanly(capsys, "train", "--dry-run", "--resume", str(run), "train.steps=2",
+                      *args, says=says)
+    finally:
+        shutil.copy(DATA / "math_mini.jsonl", file_run[1])
+    assert snapshot(run) == before
+
+
+def test_fewer_steps_than_done_is_refused(tmp_path, capsys, finished_run):
+    run, before = copied(finished_run, tmp_path)
+    fails_cleanly(capsys, "train", "--resume", str(run), "train.steps=1",
+                  says="train.steps=1 but the run has done 2 RL steps")
+    assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("args, says", [
+    (["algorithm=grpo"], "cannot change algorithm.name=grpo (trained with gspo)"),
+    (["model.hidden_size=64"], "cannot change model.hidden_size=64 (trained with 32)"),
+])
+def test_a_deleted_config_yaml_does_not_skip_the_checks(tmp_path, capsys, finished_run, args,
+                                                        says):
+    run, _ = copied(finished_run, tmp_path)
+    config = shutil.copy(run / "config.yaml", tmp_path / "x.yaml")
+    (run / "config.yaml").unlink()
+    before = snapshot(run)
+    fails_cleanly(capsys, "train", "--resume", str(run), "--config", str(config),
+                  "train.steps=3", *args, says=says)
+    assert snapshot(run) == before and not (run / "config.yaml").exists()
+
+
+def test_a_deleted_config_yaml_is_resumed_from_the_checkpoint(tmp_path, finished_run):
+    run, _ = copied(finished_run, tmp_path)
+    saved = (run / "config.yaml").read_text()
+    (run / "config.yaml").unlink()
+    assert main(["train", "--resume", str(run), "train.steps=3"]) == 0
+    assert (run / "config.yaml").read_text() == saved.replace("steps: 2\n", "steps: 3\n", 1)
+    # an old checkpoint (no run.json) without config.yaml: it says to pass --config
+    (run / "config.yaml").unlink()
+    for record in (run / "checkpoints").glob("step_*/run.json"):
+        record.unlink()
+        manifest = json.loads((record.parent / "manifest.json").read_text())
+        del manifest["files"]["run.json"]
+        (record.parent / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["train", "--resume", str(run), "train.steps=4"]) == 2
+
+
 def test_training_into_a_finished_run_or_resuming_an_empty_one(tmp_path, capsys, finished_run):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
@@ -225,6 +394,53 @@ def test_every_checkpoint_damaged_is_one_error_and_nothing_is_deleted(tmp_path, 
     assert snapshot(run) == before
 
 
+@pytest.mark.parametrize("where, says", [
+    ("file", "it is a file, not a directory"),
+    ("file/run", "file is a file, not a directory"),
+    ("x" * 300, "longer than the 255 bytes a file name may have"),
+    ("read-only/run", "not writable here (permissions, or a read-only filesystem)"),
+])
+def test_a_run_directory_that_cannot_be_written(tmp_path, capsys, monkeypatch, where, says):
+    write(tmp_path / "file", "my notes")
+    (tmp_path / "read-only").mkdir()
+    access = os.access  # root may write anywhere: a read-only filesystem refuses it even so
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: (
+        "read-only" not in str(p) and access(p, mode, **kw)))
+    for how in (["--output-dir"], ["--dry-run", "--output-dir"], ["--resume"]):
+        fails_cleanly(capsys, "train", *how, str(tmp_path / where), *QUICK, says=says)
+    assert (tmp_path / "file").read_text() == "my notes"
+    assert list((tmp_path / "read-only").iterdir()) == []
+
+
+def _delete(path: Path) -> None:
+    path.unlink()
+
+
+def _cut_the_last_line(path: Path) -> None:  # a crash mid-write
+    path.write_text(path.read_text()[:-40])
+
+
+def _tear_a_middle_line(path: Path) -> None:  # a torn write, then more rows
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + lines[1][:30] + "\n" + "".join(lines[2:]))
+
+
+@pytest.mark.parametrize("damage, says", [
+    (_delete, "metrics.jsonl is missing: restored"),
+    (_cut_the_last_line, "lacks the rows of steps 2: restored"),
+    (_tear_a_middle_line, "lacks the rows of steps 1: restored"),
+])
+def test_a_damaged_metrics_file_is_repaired_from_the_checkpoint(tmp_path, caplog, finished_run,
+                                                                damage, says):
+    from gspo.logger import read_metrics
+    run, _ = copied(finished_run, tmp_path)
+    rows = read_metrics(run)
+    damage(run / "metrics.jsonl")
+    assert main(["train", "--resume", str(run), "train.steps=3"]) == 0
+    assert says in caplog.text
+    assert read_metrics(run)[:3] == rows and [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
+
+
 def test_a_run_directory_in_use(tmp_path, capsys, finished_run):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
@@ -243,4 +459,29 @@ def test_eval_plot_and_fetch_model_mistakes(tmp_path, capsys, finished_run):
     fails_cleanly(capsys, "eval", "--model", str(tmp_path / "nope"), "--data",
                   str(DATA / "math_mini.jsonl"), "--task", "math", says="nope")
     fails_cleanly(capsys, "plot", str(tmp_path / "no-run"), says="no-run")
+    fails_cleanly(capsys, "eval", "--model", str(finished_run / "config.yaml"), "--data",
+                  str(DATA / "math_mini.jsonl"), "--task", "math", says="is a file; pass a model")
+    lora = write_dir(tmp_path / "step_000001" / "lora", {"adapter_config.json": "{}"})
+    fails_cleanly(capsys, "eval", "--model", str(lora), "--data", str(DATA / "math_mini.jsonl"),
+                  "--task", "math", says=f"LoRA adapter alone, not a model; pass the checkpoint "
+                                         f"that holds it, {lora.parent}")
+    fails_cleanly(capsys, "eval", "--model", str(tmp_path), "--data",
+                  str(DATA / "math_mini.jsonl"), "--task", "math",
+                  says="neither a model directory (no config.json) nor a run directory")
     fails_cleanly(capsys, "fetch-model", "smollm2-999m", says="unknown pretrained model")
+    mine = write_dir(tmp_path / "mywork", {"notes.txt": "keep me"})
+    for force in ([], ["--force"]):
+        fails_cleanly(capsys, "fetch-model", "smollm2-135m-instruct", "--output", str(mine),
+                      *force, says="is not a model gspo fetch-model wrote, so it is left as it is")
+    assert (mine / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("where", ["", "checkpoints", "checkpoints/latest"])
+def test_eval_takes_a_run_directory_for_its_latest_checkpoint(tmp_path, capsys, finished_run,
+                                                              where):
+    out = tmp_path / "eval.jsonl"
+    assert main(["eval", "--model", str(finished_run / where), "--data",
+                 str(DATA / "math_mini.jsonl"), "--task", "math", "--k", "1", "--limit", "2",
+                 "--max-new-tokens", "4", "--output", str(out)]) == 0
+    assert "step_000002, the latest checkpoint of" in capsys.readouterr().err
+    assert out.is_file()

@@ -70,15 +70,19 @@ def moe_dir(tmp_path_factory):
 # ---------------------------------------------------------------------------------------------
 # the recipes
 
+# the recipes read hub datasets; the mini files stand in, with no more prompts per step than
+# they hold (the dry run refuses a step that would draw more distinct prompts than there are)
 GSM8K = [f"data.path={DATA / 'gsm8k_mini.jsonl'}", f"data.eval_path={DATA / 'gsm8k_mini.jsonl'}",
-         "data.subset="]  # the recipes read openai/gsm8k from the hub
+         "data.subset=", "rollout.prompts_per_step=8"]
 RECIPE_RUNS = {
     "qwen3_0.6b_gsm8k_vllm.yaml": ("dense", GSM8K, 1),
     "qwen3_1.7b_gsm8k_vllm.yaml": ("dense", GSM8K, 1),
     "qwen3_30b_a3b_gspo_fsdp8.yaml": ("moe", [f"data.path={DATA / 'math_mini.jsonl'}",
-                                              f"data.eval_path={DATA / 'math_mini.jsonl'}"], 8),
+                                              f"data.eval_path={DATA / 'math_mini.jsonl'}",
+                                              "rollout.prompts_per_step=8"], 8),
     "qwen3_1.7b_code_lcb_vllm.yaml": ("dense", [f"data.path={DATA / 'code_mini.jsonl'}",
-                                                f"data.eval_path={DATA / 'code_mini.jsonl'}"], 1),
+                                                f"data.eval_path={DATA / 'code_mini.jsonl'}",
+                                                "rollout.prompts_per_step=4"], 1),
 }
 
 
@@ -216,7 +220,7 @@ def test_a_reward_that_raises_on_the_sample_is_an_error(tmp_path):
 
 def test_a_task_without_solutions_and_a_warm_up_is_an_error():
     cfg = load_config(overrides=["data.task=math", f"data.path={DATA / 'math_mini.jsonl'}",
-                                 "data.n_eval=2"])
+                                 "data.n_eval=2", "rollout.prompts_per_step=8"])
     with pytest.raises(GspoError, match="set warmup.steps=0"):
         dry_run(cfg, out=io.StringIO())
 

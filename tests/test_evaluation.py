@@ -57,7 +57,8 @@ def _sleeps(completion, **_):
 @pytest.mark.parametrize("reward, says", [
     (lambda c, **_: float("nan"), "ValueError: reward nan is not a finite number"),
     (lambda c, **_: 1e30, "ValueError: reward 1e+30 is not a finite number within +-1e+06"),
-    (lambda c, **_: "high", "ValueError: could not convert string to float"),
+    (lambda c, **_: "high", "TypeError: the reward returned the text 'high', not a number"),
+    (lambda c, **_: "1", "TypeError: the reward returned the text '1', not a number"),
     (_exits, "SystemExit: 3"),  # used to end the whole run with exit 3 and no message
 ])
 def test_a_reward_that_is_not_a_sane_number_fails_and_is_counted(reward, says):

@@ -136,6 +136,9 @@ def test_a_directory_that_is_not_a_conversion_is_never_overwritten(tmp_path):
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
-    with pytest.raises(ModelLoadError, match="--force"):
-        pretrained.fetch_model(NAME, out)
-    assert (out / "notes.txt").read_text() == "keep me"
+    for force in (False, True):  # --force replaces only a directory fetch-model wrote
+        with pytest.raises(ModelLoadError, match="is not a model gspo fetch-model wrote, so it "
+                                                 "is left as it is") as e:
+            pretrained.fetch_model(NAME, out, force=force)
+        assert "pass --force" not in str(e.value)
+        assert (out / "notes.txt").read_text() == "keep me"

@@ -177,3 +177,69 @@ def test_under_torchrun_the_forwarded_copy_is_not_a_second_signal(tmp_path):
     rc, err = finish(proc)
     assert rc == 143, err[-2000:]  # a checkpointed stop, not the default action's -15
     assert "continue with: gspo train --resume" in err.strip().splitlines()[-1]
+
+
+# ---- a stop request is honoured within one warm-up step, and within one evaluation batch
+
+def signalled_when_started(run_dir, proc, after: float) -> float:
+    """SIGTERM `after` seconds past the run taking its lock; returns when it was sent."""
+    wait_for(lambda: (run_dir / ".lock").is_file(), proc=proc)
+    time.sleep(after)
+    assert proc.poll() is None, "the run ended before the signal"
+    proc.send_signal(signal.SIGTERM)
+    return time.monotonic()
+
+
+def trained_weights(run_dir, step: int) -> dict:
+    from safetensors.torch import load_file
+    return load_file(run_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors")
+
+
+def test_a_signal_in_the_warm_up_stops_within_a_step_and_the_resume_continues_it(tmp_path):
+    import torch
+    run_dir, slow = tmp_path / "run", ["model.hidden_size=64", "warmup.batch_size=64"]
+    proc = start(run_dir, *slow, "warmup.steps=1000000", "train.steps=1")
+    sent = signalled_when_started(run_dir, proc, after=6.0)
+    rc, err = finish(proc, timeout=60)
+    assert rc == 143 and time.monotonic() - sent < 20, err[-2000:]  # not the 1e6 steps
+    last = err.strip().splitlines()[-1]
+    assert "stopped by SIGTERM during the warm-up, after " in last, last
+    state = torch.load(run_dir / "checkpoints" / "step_000000" / "trainer_state.pt",
+                       weights_only=True)["trainer_state"]
+    done = state["warmup_done"]
+    # resumed, the warm-up ends as if it had never stopped
+    steps = [f"warmup.steps={done + 3}", "train.steps=1"]
+    out = subprocess.run([sys.executable, "-m", "gspo", "train", "--resume", str(run_dir),
+                          *steps], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ref = tmp_path / "ref"
+    code, err = finish(start(ref, *slow, *steps), timeout=300)
+    assert code == 0, err[-2000:]
+    got, want = trained_weights(run_dir, 1), trained_weights(ref, 1)
+    assert all(bool((got[k] == want[k]).all()) for k in want)
+    assert deterministic(read_metrics(run_dir)) == deterministic(read_metrics(ref))
+
+
+def test_a_signal_in_an_evaluation_stops_within_a_batch(tmp_path):
+    run_dir = tmp_path / "run"
+    # an evaluation of 50000 problems (~800 batches, minutes) right after a 2-step warm-up
+    proc = start(run_dir, "data.digits=3", "data.n_eval=50000", "train.eval_every=1",
+                 "train.eval_k=2", "rollout.max_new_tokens=16", "train.steps=1")
+    sent = signalled_when_started(run_dir, proc, after=8.0)
+    rc, err = finish(proc, timeout=60)
+    assert rc == 143 and time.monotonic() - sent < 15, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert "(the evaluation before RL abandoned)" in last, last
+    assert (run_dir / "checkpoints" / "step_000000" / "model.safetensors").is_file()
+    assert not (run_dir / "metrics.jsonl").read_text().strip()  # no half evaluation logged
+
+
+def test_train_steps_0_checkpoints_the_warm_up_for_a_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    code, err = finish(start(run_dir, "train.steps=0"))
+    assert code == 0, err[-2000:]
+    assert (run_dir / "checkpoints" / "step_000000" / "model.safetensors").is_file()
+    out = subprocess.run([sys.executable, "-m", "gspo", "train", "--resume", str(run_dir),
+                          "train.steps=1"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "warm-up" not in out.stderr, out.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(run_dir)] == [1]

@@ -33,3 +33,7 @@ def sleeps(completion: str, **_) -> float:
     import time
     time.sleep(60)
     return 1.0
+
+
+def text(completion: str, **_) -> str:
+    return "1"  # a number as text: a bug (a parsed label never converted), not a reward

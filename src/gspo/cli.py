@@ -57,19 +57,15 @@ def train_main(argv: list[str]) -> int:
         if args.world_size is not None and not args.dry_run:
             raise ConfigError("--world-size plans a launch for --dry-run to check; a run takes "
                               "its world size from torchrun (WORLD_SIZE)")
-        config_path = args.config
         if args.resume:
             if args.output_dir:
                 raise ConfigError(f"--resume continues the run in its own directory "
                                   f"({args.resume}); drop --output-dir {args.output_dir}, or "
                                   f"start a new run there without --resume")
             run_dir = Path(args.resume)
-            if config_path is None:
-                config_path = run_dir / "config.yaml"
-                if not config_path.is_file():
-                    raise ConfigError(f"--resume {run_dir}: no run to resume there (no "
-                                      f"config.yaml); start one with --output-dir {run_dir}")
-        cfg = load_config(config_path, args.overrides)
+            cfg = resume_config(run_dir, args.config, args.overrides)
+        else:
+            cfg = load_config(args.config, args.overrides)
         if args.dry_run:
             from gspo.dryrun import dry_run
             dry_run(cfg, args.world_size, args.resume or args.output_dir, bool(args.resume))
@@ -92,6 +88,30 @@ def train_main(argv: list[str]) -> int:
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, once
         print_summary(summary)
     return 0
+
+
+def resume_config(run_dir: Path, config: str | None, overrides: list[str]):
+    """The config `--resume run_dir` runs with: --config FILE if given, else the run's
+    config.yaml, else the config saved with its latest checkpoint (config.yaml deleted); then
+    the overrides."""
+    from gspo.checkpoint import latest_checkpoint
+    from gspo.config import load_config
+    from gspo.errors import TrainingError
+    from gspo.runlock import check_run_dir
+    from gspo.runrecord import read_record, saved_config
+
+    check_run_dir(run_dir)
+    if config is not None:
+        return load_config(config, overrides)
+    if (run_dir / "config.yaml").is_file():
+        return load_config(run_dir / "config.yaml", overrides)
+    ckpt = latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    if ckpt is None:
+        raise TrainingError(f"--resume {run_dir}: no run to resume there (no config.yaml, no "
+                            f"checkpoint); start one with --output-dir {run_dir}")
+    logging.getLogger(__name__).warning("%s/config.yaml is missing: resuming with the config "
+                                        "saved with %s", run_dir, ckpt.name)
+    return saved_config(run_dir, read_record(ckpt), overrides)
 
 
 def fetch_model_main(argv: list[str]) -> int:

@@ -362,9 +362,14 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then a YAML file, then `key.sub=value` overrides; resolved and validated."""
+def load_config(path: str | Path | None = None, overrides: list[str] = (),
+                base: Mapping[str, Any] | None = None) -> Config:
+    """Defaults, then a YAML file (or `base`, the same sections as a dict: a config saved with
+    a checkpoint), then `key.sub=value` overrides; resolved and validated."""
     cfg = Config()
+    if base is not None:
+        for k, v in base.items():
+            _apply(cfg, [str(k)], v, str(k))
     if path is not None:
         path = Path(path)
         if not path.is_file():

@@ -45,9 +45,9 @@ def score(reward_fn: RewardFn, completions: Sequence[str], rows: Sequence[dict],
     """Rewards of completions[i] against rows[i]; returns (rewards, number of failed calls, the
     first failure as one line, or None). Training and evaluation both score through here.
 
-    A call fails (scores 0, counted) when it raises (SystemExit included), returns a non-number,
-    a non-finite value or one beyond MAX_ABS_REWARD, or runs past `timeout` seconds; a call
-    past its timeout is abandoned in its (daemon) thread. workers > 1 scores that many calls at
+    A call fails (scores 0, counted) when it raises (SystemExit included), returns a non-number
+    (text such as "1" included), a non-finite value or one beyond MAX_ABS_REWARD, or runs past
+    `timeout` seconds; a call past its timeout is abandoned in its (daemon) thread. workers > 1 scores that many calls at
     once (for rewards that wait on subprocesses, e.g. code); None takes the reward's own
     `workers` attribute (CodeReward has one), else 1."""
     if workers is None:
@@ -55,7 +55,11 @@ def score(reward_fn: RewardFn, completions: Sequence[str], rows: Sequence[dict],
     def one(completion: str, row: dict) -> tuple[float, BaseException | None]:
         fields = {k: v for k, v in row.items() if k != "prompt"}
         try:
-            r = float(reward_fn(completion, **fields))
+            value = reward_fn(completion, **fields)
+            if isinstance(value, (str, bytes)):  # float("1") would hide a reward's bug
+                raise TypeError(f"the reward returned the text {value!r}, not a number; return "
+                                f"a float")
+            r = float(value)
             if not math.isfinite(r) or abs(r) > MAX_ABS_REWARD:
                 raise ValueError(f"reward {r} is not a finite number within +-{MAX_ABS_REWARD:g}")
             return r, None

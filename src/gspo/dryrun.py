@@ -33,6 +33,8 @@ from gspo.distributed import Dist, resolve_device
 from gspo.engines import engine_class
 from gspo.errors import ConfigError
 from gspo.rewards import close_reward
+from gspo.runlock import check_run_dir
+from gspo.runrecord import check_rows
 from gspo.tasks import build_task, get_task
 from gspo.tasks.datasets import DatasetError
 from gspo.trainer import (build_model, check_launch, data_parallel_mode, fitting_prompts,
@@ -55,19 +57,29 @@ def dry_run(cfg: Config, world: int | None = None, run_dir: str | Path | None = 
     warnings = machine_warnings(cfg)
     check_launch(cfg, world)
     mode = data_parallel_mode(cfg, Dist(world=world))
+    record = None
+    if run_dir is not None:
+        check_run_dir(run_dir)
     if run_dir is not None and Path(run_dir).exists():
-        run_dir_checkpoint(cfg, Path(run_dir), resume, verify=False)
+        _, record = run_dir_checkpoint(cfg, Path(run_dir), resume, verify=False,
+                                       reward_fn=reward_fn, train_data=train_data,
+                                       eval_data=eval_data)
     model, tokenizer = build_model(cfg, weights=False)
     bad_rows: list[str] = []
     train_rows, eval_rows, reward, solution = build_task(cfg.data, train_data, eval_data,
                                                          reward_fn, bad_rows)
+    try:
+        check_rows(record, cfg, Path(run_dir or "."), train_rows, eval_rows)
+    except BaseException:
+        close_reward(reward)
+        raise
     if bad_rows and cfg.data.on_bad_row == "fail":
         raise DatasetError(f"{len(bad_rows)} malformed row(s): {'; '.join(bad_rows[:5])}"
                            f"{'; ...' if len(bad_rows) > 5 else ''} (data.on_bad_row=skip "
                            f"leaves such rows out)")
     train_rows, eval_rows = (fitting_prompts(rows, what, model, tokenizer, cfg)
                              for rows, what in ((train_rows, "training"), (eval_rows, "held-out")))
-    check_launch(cfg, world, len(train_rows), resume)
+    check_launch(cfg, world, len(train_rows), resume, len(eval_rows))
     if cfg.warmup.steps and not resume:
         solution(train_rows[0])  # a task without worked solutions says to set warmup.steps=0
     value, sample = try_reward(cfg, reward, solution, train_rows[0])

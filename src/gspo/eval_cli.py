@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
                "(gspo train --help lists them): e.g. data.prompt_field=question "
                "data.system_prompt='...' data.reward=my_module:my_reward")
     p.add_argument("--model", required=True,
-                   help="model directory or hub id (or 'tiny-qwen3', randomly initialised)")
+                   help="model directory or hub id (or 'tiny-qwen3', randomly initialised); a "
+                        "run directory (or its checkpoints/) means its latest checkpoint")
     p.add_argument("--data", required=True, help=".jsonl, .json, .parquet, .csv, a datasets "
                    "directory or a hub dataset id (with data.subset=..., data.split=...)")
     tasks = {name: TASKS[name] for name in file_tasks()}  # a synthetic task has no file
@@ -125,8 +126,40 @@ def load_engine(model_path: str, dtype: str = "float32", device: str | None = No
         tokenizer = build_tokenizer()
         model = build_tiny_qwen3(tokenizer).to(device)
     else:
-        model, tokenizer = load_model(model_path, dtype=dtype, device=device)
+        model, tokenizer = load_model(model_dir(model_path), dtype=dtype, device=device)
     return make_engine(engine, model.eval(), tokenizer, dtype=dtype, seed=seed), tokenizer
+
+
+def model_dir(path: str) -> str:
+    """What --model names, as something from_pretrained loads: a run directory, its
+    checkpoints/ or checkpoints/latest mean the latest checkpoint; a LoRA adapter alone is an
+    error naming the checkpoint that holds it merged. A path that does not exist (a hub id) is
+    passed on as it is."""
+    from gspo.checkpoint import CHECKPOINTS_DIR, LATEST_FILE, latest_checkpoint
+    from gspo.errors import ModelLoadError
+    from gspo.lora import ADAPTER_DIR
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        return path
+    if p.is_file() and p.name == LATEST_FILE and p.parent.name == CHECKPOINTS_DIR:
+        p = p.parent
+    if p.is_file():
+        raise ModelLoadError(f"--model {path} is a file; pass a model directory (config.json and "
+                             f"weights), a run directory or a hub id")
+    if (p / "adapter_config.json").is_file() and not (p / "config.json").is_file():
+        where = (f"the checkpoint that holds it, {p.parent}, whose weights have it merged"
+                 if p.name == ADAPTER_DIR else "the model it was trained on, with the adapter "
+                 "merged (peft's merge_and_unload, then save_pretrained)")
+        raise ModelLoadError(f"--model {path} is a LoRA adapter alone, not a model; pass {where}")
+    if (p / "config.json").is_file():
+        return str(p)
+    ckpt = latest_checkpoint(p)
+    if ckpt is None:
+        raise ModelLoadError(f"--model {path}: neither a model directory (no config.json) nor a "
+                             f"run directory with a checkpoint; pass one of them or a hub id")
+    print(f"evaluating {ckpt}, the latest checkpoint of {path}", file=sys.stderr)
+    return str(ckpt)
 
 
 def report_records(result: EvalResult, rows: Sequence[dict], k: int) -> list[dict]:

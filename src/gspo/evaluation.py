@@ -6,7 +6,7 @@ and the unbiased pass@k estimator (Chen et al., 2021). The trainer's periodic ev
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from gspo.data import encode_prompts, score
 from gspo.engines import RolloutEngine, SamplingParams
@@ -39,11 +39,16 @@ class EvalResult:
 def evaluate(engine: RolloutEngine, tokenizer, rows: Sequence[dict], reward_fn: RewardFn,
              k: int, params: SamplingParams, seed: int, batch_size: int = 64,
              system_prompt: str | None = None, success_threshold: float = 1.0,
-             reward_timeout_s: float | None = None) -> EvalResult:
+             reward_timeout_s: float | None = None,
+             should_stop: Callable[[], bool] | None = None) -> EvalResult:
     """Sample k responses per row and score them; a sample counts as correct for pass@k when
-    its reward is >= success_threshold. A reward call past reward_timeout_s fails (scores 0)."""
+    its reward is >= success_threshold. A reward call past reward_timeout_s fails (scores 0).
+    should_stop: checked before each batch; when true, the rows evaluated so far are returned
+    (a stop request is honoured within one batch)."""
     per_problem, failures = [], 0
     for start in range(0, len(rows), batch_size):
+        if should_stop is not None and should_stop():
+            break
         chunk = rows[start:start + batch_size]
         rollouts = engine.generate(encode_prompts(tokenizer, chunk, system_prompt), n=k,
                                    params=params, seed=seed + start)

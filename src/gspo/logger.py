@@ -12,6 +12,7 @@ A disabled logger (non-zero ranks) does nothing, so the trainer never writes `if
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 import os
@@ -21,6 +22,7 @@ from typing import Any
 from gspo.trackers import open_trackers
 
 METRICS_FILE = "metrics.jsonl"
+log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
@@ -28,7 +30,10 @@ class MetricsLogger:
 
     `resume_from_step=None` starts a fresh metrics.jsonl (a run dir describes one run);
     `resume_from_step=k` keeps the existing rows with step <= k and appends after them, so a
-    resumed run ends with the same file an uninterrupted run would have written.
+    resumed run ends with the same file an uninterrupted run would have written. `history`:
+    the copy of metrics.jsonl a checkpoint holds (gspo.trainer.save), which is what agrees with
+    the checkpoint: a deleted file, a torn line or a lost row is repaired from it, with a
+    warning; without one, what cannot be read is dropped, with a warning.
 
     `report_to` names trackers (gspo.trackers.TRACKERS) that get every row too, with `config`
     (the resolved config as a nested dict) as their run's config, under `project`.
@@ -42,6 +47,7 @@ class MetricsLogger:
         report_to: list[str] = (),
         config: dict | None = None,
         project: str = "gspo",
+        history: str | os.PathLike | None = None,
     ):
         self.enabled = enabled
         self.path = Path(run_dir) / METRICS_FILE
@@ -55,7 +61,7 @@ class MetricsLogger:
         if resume_from_step is None:
             self._file = open(self.path, "w")
         else:
-            _truncate_after(self.path, resume_from_step)
+            _truncate_after(self.path, resume_from_step, history)
             self._file = open(self.path, "a")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -111,13 +117,68 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
-def _truncate_after(path: Path, step: int) -> None:
-    """Rewrite `path` atomically keeping only rows with step <= `step` (no file: create one)."""
-    rows = read_metrics(path) if path.is_file() else []
-    kept = "".join(json.dumps(r, allow_nan=False) + "\n" for r in rows if r["step"] <= step)
+def _truncate_after(path: Path, step: int, history: str | os.PathLike | None = None) -> None:
+    """Rewrite `path` atomically keeping only rows with step <= `step` (no file: create one),
+    repaired from `history` (see MetricsLogger)."""
+    rows = _resume_rows(path, step, Path(history) if history is not None else None)
+    kept = "".join(json.dumps(r, allow_nan=False) + "\n" for r in rows)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(kept)
     os.replace(tmp, path)
+
+
+def _resume_rows(path: Path, step: int, history: Path | None) -> list[dict]:
+    """The rows of steps <= `step` a resume keeps: the checkpoint's copy where there is one
+    (warning when the run's file disagrees), else the run's readable rows (warning about the
+    others)."""
+    rows, bad = _readable_rows(path) if path.is_file() else ([], [])
+    kept = [r for r in rows if r["step"] <= step]
+    if history is not None and history.is_file():
+        saved = [r for r in _readable_rows(history)[0] if r["step"] <= step]
+        if saved != kept:
+            lost = sorted({r["step"] for r in saved} - {r["step"] for r in kept})
+            what = ("is missing" if not path.is_file() else
+                    f"lacks the rows of steps {_spans(lost)}" if lost else "differs from it")
+            log.warning("%s %s: restored from the copy checkpoint %s holds (%d rows)", path,
+                        what, history.parent.name, len(saved))
+        return saved
+    if not path.is_file() and step > 0:
+        log.warning("%s is missing and the checkpoint holds no copy of it: the metrics of "
+                    "steps 0-%d are lost; the resumed run logs from step %d", path, step, step + 1)
+    elif bad:
+        log.warning("%s: line(s) %s could not be read (torn or edited) and are dropped; the "
+                    "checkpoint holds no copy to restore them from", path, _spans(bad))
+    return kept
+
+
+def _readable_rows(path: Path) -> tuple[list[dict], list[int]]:
+    """(the rows of `path` that parse as JSON objects with a step, the numbers of the other
+    non-empty lines)."""
+    rows, bad = [], []
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+        else:
+            bad.append(number)
+    return rows, bad
+
+
+def _spans(numbers: list[int]) -> str:
+    """'1-3, 7' for [1, 2, 3, 7]."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def _to_number(name: str, value: Any) -> float | int:

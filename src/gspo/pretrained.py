@@ -87,16 +87,19 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None, force: bool = False)
 def fetch_model(name: str, output: str | os.PathLike | None = None, force: bool = False) -> Path:
     """The converted directory of `name` (a `PRETRAINED` key): `output` if given, else
     `default_dir(name)`. Returns a finished conversion of the same source as it is; converts when
-    there is none, when the directory holds an older one, or with `force`. Raises `ModelLoadError`
-    naming the pip command when a package is missing."""
+    there is none, when the directory holds an older one, or with `force`. Only a directory this
+    function wrote (it holds STAMP) or an empty one is ever replaced, `force` or not: anything
+    else at `output` is the user's, and is refused. Raises `ModelLoadError` naming the pip
+    command when a package is missing."""
     spec = _spec(name)
     out = Path(output).expanduser() if output is not None else default_dir(name)
     stamp = _stamp(out)
     if stamp == _expected_stamp(name, spec) and not force:
         return out
-    if stamp is None and not force and out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ModelLoadError(f"{out} exists and is not a converted {name}: remove it, pass --force "
-                             f"to replace it, or choose another --output")
+    if stamp is None and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ModelLoadError(f"{out} exists and is not a model gspo fetch-model wrote, so it is "
+                             f"left as it is (--force replaces only those); choose another "
+                             f"--output, or remove it yourself")
     gguf_file = _locate(spec)
     log.info(f"converting {gguf_file} into {out} (once; ~30 s on 2 CPU cores)")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,35 @@ from gspo.errors import TrainingError
 LOCK_FILE = ".lock"
 
 
+def unusable(run_dir: Path, why: str) -> TrainingError:
+    return TrainingError(f"cannot write the run directory {run_dir}: {why}; choose another "
+                         f"--output-dir")
+
+
+def check_run_dir(run_dir: str | os.PathLike) -> None:
+    """Without writing anything: TrainingError unless `run_dir` is a directory this process can
+    write, or one it can create (its nearest existing parent a writable directory)."""
+    run_dir = Path(run_dir)
+    try:
+        path = run_dir.absolute()
+        too_long = [p for p in path.parts if len(os.fsencode(p)) > 255]
+        if too_long:
+            raise unusable(run_dir, f"the name {too_long[0][:40]}... is longer than the 255 "
+                                    f"bytes a file name may have")
+        if path.exists() and not path.is_dir():
+            raise unusable(run_dir, "it is a file, not a directory")
+        parent = path
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise unusable(run_dir, f"{parent} is a file, not a directory")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise unusable(run_dir, f"{parent} is not writable here (permissions, or a "
+                                    f"read-only filesystem)")
+    except OSError as e:
+        raise unusable(run_dir, e.strerror or str(e)) from None
+
+
 @contextmanager
 def exclusive(run_dir: str | os.PathLike, enabled: bool = True) -> Iterator[None]:
     """Hold `run_dir`'s lock for the block, or raise TrainingError naming the holder."""
@@ -33,8 +62,12 @@ def exclusive(run_dir: str | os.PathLike, enabled: bool = True) -> Iterator[None
         yield
         return
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    check_run_dir(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # a read-only filesystem, no permission, a name too long, ...
+        raise unusable(run_dir, e.strerror or str(e)) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -24,6 +24,7 @@ import logging
 import os
 import random
 import resource
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,16 +37,17 @@ import transformers
 from gspo.checkpoint import (latest_checkpoint, load_checkpoint, read_reference,
                              read_training_state, save_checkpoint)
 from gspo import precision
-from gspo.config import Config, load_config, rollout_dtype, save_config, to_dict
+from gspo.config import Config, rollout_dtype, save_config, to_dict
 from gspo.data import encode_prompts, score
 from gspo.distributed import (Dist, Policy, as_local, broadcast_weights, checkpoint_state,
                                fsdp_available, init_distributed, iter_weights,
                                load_optimizer_state, no_sync, wrap_policy)
 from gspo.errors import TrainingError
 from gspo.evaluation import decode_responses, evaluate
-from gspo.logger import MetricsLogger
+from gspo.logger import METRICS_FILE, MetricsLogger
 from gspo.rewards import RewardFn, close_reward
 from gspo.runlock import exclusive
+from gspo.runrecord import check_resume, check_rows, make_record, write_record
 from gspo.signals import Interrupted, StopRequest
 from gspo.lora import (ADAPTER_DIR, LoraUnavailable, add_lora, is_lora, load_adapter,
                        merged_weights, save_adapter)
@@ -124,20 +126,32 @@ def step_prompts(rows: list[dict], step: int, n: int, seed: int) -> list[dict]:
 # supervised warm-up
 
 
-def warmup(policy, model, tokenizer, rows: list[dict], solution, cfg: Config, d: Dist) -> float:
+def warmup(policy, model, tokenizer, rows: list[dict], solution, cfg: Config, d: Dist,
+           stop: StopRequest | None = None, on_stop: Callable | None = None, start: int = 0,
+           optimizer_state: dict | None = None) -> float:
     """Cross-entropy on worked answers (prompt tokens unscored); returns the last loss.
 
     Runs through `policy` (DDP or FSDP2 on several ranks): every rank draws the same batch and
     scores its own share of it; the loss is normalised by the batch's GLOBAL token count and
-    scaled by the world size, so the averaged gradient is the whole batch's."""
+    scaled by the world size, so the averaged gradient is the whole batch's.
+
+    stop: checked before every step; when requested, on_stop(steps done, optimiser) is called
+    (it saves and raises). start, optimizer_state: continue a warm-up stopped after `start`
+    steps, exactly as if it had not stopped."""
     w = cfg.warmup
     opt, _ = build_optimizer(model, w.lr, cfg)
     scaler = precision.get(cfg.train.precision).grad_scaler(d.device)  # fp16-mixed only
+    if optimizer_state is not None:
+        load_optimizer_state(policy, opt, optimizer_state)
     rng = random.Random(cfg.train.seed)
+    for _ in range(start):  # the batches already trained on, drawn again so the rest match
+        rng.sample(rows, min(w.batch_size, len(rows)))
     eos = tokenizer.eos_token_id
     loss = torch.tensor(float("nan"))
     model.train()
-    for _ in _progress(range(w.steps), "warm-up", cfg.train.progress and d.is_main):
+    for step in _progress(range(start, w.steps), "warm-up", cfg.train.progress and d.is_main):
+        if stop is not None and stop.requested(d):
+            on_stop(step, opt)
         batch = rng.sample(rows, min(w.batch_size, len(rows)))[d.rank::d.world]
         prompt_ids, prompt_mask = left_pad(encode_prompts(tokenizer, batch,
                                                           cfg.data.system_prompt or None),
@@ -313,6 +327,8 @@ class Run:
     micro: int                               # rows per forward (algorithm.micro_batch_size)
     checkpoint: Path | None                  # the checkpoint resumed from
     state: dict                              # its training state (step, accuracies, RNG)
+    record: dict                             # what the run is (gspo.runrecord), saved with each
+                                             # checkpoint
     warmup_s: float = 0.0
     reward_window: list = field(default_factory=list)  # (completions, failures) of recent steps
     constant_reward_steps: int = 0           # consecutive steps whose rewards were all equal
@@ -326,14 +342,6 @@ def policy_weights(policy, model):
     """(name, tensor) of the policy as a plain model, for the rollout engine and pi_ref: LoRA's
     merged weights, else the model's own (gathered one at a time when sharded)."""
     return merged_weights(model) if is_lora(model) else iter_weights(policy, model)
-
-
-FROZEN = ("model.name_or_path", "model.hidden_size", "model.num_layers", "model.num_heads",
-          "model.num_kv_heads", "model.intermediate_size", "model.num_experts",
-          "model.num_experts_per_tok", "model.moe_intermediate_size", "model.lora_rank",
-          "model.lora_target_modules", "algorithm.name")
-"""What a resume cannot change: the model's shape (the checkpoint would not fit it) and the
-objective (its presets, e.g. the clip range, were resolved into the saved config)."""
 
 
 def fitting_prompts(rows: list[dict], what: str, model, tokenizer, cfg: Config) -> list[dict]:
@@ -364,17 +372,6 @@ def fitting_prompts(rows: list[dict], what: str, model, tokenizer, cfg: Config) 
     return [r for j, r in enumerate(rows) if j not in too_long]
 
 
-def refuse_frozen_changes(saved: Config, cfg: Config, run_dir: Path) -> None:
-    def get(c, key):
-        section, name = key.split(".")
-        return getattr(getattr(c, section), name)
-    changed = [f"{k}={get(cfg, k)} (trained with {get(saved, k)})" for k in FROZEN
-               if get(cfg, k) != get(saved, k)]
-    if changed:
-        raise TrainingError(f"--resume {run_dir} cannot change {', '.join(changed)}: start a new "
-                            f"run with --output-dir for that")
-
-
 def build_engine(model, tokenizer, cfg: Config, own_copy: bool = False) -> RolloutEngine:
     """The rollout engine rollout.engine names (gspo.engines.ENGINES), from the model's weights."""
     r = cfg.rollout
@@ -394,11 +391,12 @@ def engine_options(r) -> dict:
 
 
 def check_launch(cfg: Config, world: int, n_train_rows: int | None = None,
-                 resume: bool = False) -> None:
+                 resume: bool = False, n_eval_rows: int | None = None) -> None:
     """What a run on `world` ranks needs that the config alone cannot check: how the step's
-    prompts, each rank's rollouts and the warm-up batch divide over the ranks (the warm-up only
-    once the `n_train_rows` are known), and what runs in one process only. Shared by `prepare`
-    and `gspo train --dry-run` (which passes a planned world size)."""
+    prompts, each rank's rollouts and the warm-up batch divide over the ranks, whether there
+    are rows enough for a step and for each rank's share of the evaluation (once the rows are
+    known), and what runs in one process only. Shared by `prepare` and `gspo train --dry-run`
+    (which passes a planned world size)."""
     r, a = cfg.rollout, cfg.algorithm
     if r.prompts_per_step % world:
         raise TrainingError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible "
@@ -419,6 +417,17 @@ def check_launch(cfg: Config, world: int, n_train_rows: int | None = None,
         raise TrainingError(f"routing replay with old_logprobs=rollout needs an engine that "
                             f"records MoE routing; rollout.engine={r.engine} does not (use "
                             f"rollout.engine=hf or algorithm.old_logprobs=recompute)")
+    source = cfg.data.path or "the training rows"
+    if n_train_rows is not None and n_train_rows < r.prompts_per_step:
+        raise TrainingError(f"{source} has {n_train_rows} training row(s) (held-out rows not "
+                            f"counted), fewer than the rollout.prompts_per_step="
+                            f"{r.prompts_per_step} distinct prompts each RL step draws; add rows "
+                            f"or lower rollout.prompts_per_step (a divisor of the ranks' and "
+                            f"minibatches' counts)")
+    if n_eval_rows is not None and cfg.train.eval_every > 0 and n_eval_rows < world:
+        raise TrainingError(f"{n_eval_rows} held-out row(s) for {world} ranks: each rank "
+                            f"evaluates its share; add held-out rows (data.n_eval, "
+                            f"data.eval_path) or set train.eval_every=0")
     warm_batch = min(cfg.warmup.batch_size, n_train_rows or 0)
     if n_train_rows is not None and cfg.warmup.steps and not resume and warm_batch % world:
         raise TrainingError(f"the warm-up batch ({warm_batch} = min(warmup.batch_size, training "
@@ -426,20 +435,21 @@ def check_launch(cfg: Config, world: int, n_train_rows: int | None = None,
                             f"share of the batch)")
 
 
-def run_dir_checkpoint(cfg: Config, run_dir: Path, resume: bool,
-                       verify: bool = True) -> Path | None:
-    """The checkpoint a resume starts from (None for a new run), after refusing a new run in a
-    directory that holds checkpoints and a resume that changes what cannot change. verify:
-    check the checkpoint's files against its manifest (reads them all)."""
+def run_dir_checkpoint(cfg: Config, run_dir: Path, resume: bool, verify: bool = True,
+                       **objects) -> tuple[Path | None, dict | None]:
+    """(the checkpoint a resume starts from, its run record; None, None for a new run), after
+    refusing a new run in a directory that holds checkpoints and a resume that changes what the
+    run was (gspo.runrecord.check_resume). verify: check the checkpoint's files against its
+    manifest (reads them all). objects: reward_fn, train_data, eval_data as for `train`."""
     if not resume and latest_checkpoint(run_dir) is not None:
         raise TrainingError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
                             f"continue it or choose a new --output-dir")
-    ckpt = latest_checkpoint(run_dir, verify=verify) if resume else None
-    if resume and ckpt is None:
+    if not resume:
+        return None, None
+    ckpt = latest_checkpoint(run_dir, verify=verify)
+    if ckpt is None:
         raise TrainingError(f"--resume {run_dir}: no finished checkpoint found there")
-    if resume and (run_dir / "config.yaml").is_file():
-        refuse_frozen_changes(load_config(run_dir / "config.yaml"), cfg, run_dir)
-    return ckpt
+    return ckpt, check_resume(cfg, run_dir, ckpt, **objects)
 
 
 def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train_data=None,
@@ -451,23 +461,34 @@ def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train
     require_trackers(t.report_to)  # a missing package fails now, not after the warm-up
     d = init_distributed(t.device, t.dist_timeout_s)
     check_launch(cfg, d.world)  # before anything is loaded; the warm-up batch once rows are
-    ckpt = run_dir_checkpoint(cfg, run_dir, resume)
+    ckpt, record = run_dir_checkpoint(cfg, run_dir, resume, reward_fn=reward_fn,
+                                      train_data=train_data, eval_data=eval_data)
     run_dir.mkdir(parents=True, exist_ok=True)
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar per save
     torch.manual_seed(t.seed)
 
     # the data first: a bad row fails the run before a large model is loaded
-    train_rows, eval_rows, reward_fn, solution = build_task(cfg.data, train_data, eval_data,
-                                                            reward_fn)
+    train_rows, eval_rows, reward, solution = build_task(cfg.data, train_data, eval_data,
+                                                         reward_fn)
+    try:
+        check_rows(record, cfg, run_dir, train_rows, eval_rows)
+    except TrainingError:
+        close_reward(reward)
+        raise
+    what_it_was = make_record(cfg, reward_fn, train_data, eval_data, train_rows, eval_rows)
     model, tokenizer = build_model(cfg, d.device)
     train_rows, eval_rows = (fitting_prompts(rows, what, model, tokenizer, cfg)
                              for rows, what in ((train_rows, "training"), (eval_rows, "held-out")))
-    check_launch(cfg, d.world, len(train_rows), resume)
+    check_launch(cfg, d.world, len(train_rows), resume, len(eval_rows))
     state = {}
     lora = cfg.model.lora_rank > 0
     if ckpt is not None:  # weights and RNG now, the optimiser's state once it is built
         # LoRA: the base stays as loaded; the adapter is restored once it is injected
-        state = load_checkpoint(ckpt, model, load_weights=not lora)
+        try:
+            state = load_checkpoint(ckpt, model, load_weights=not lora)
+        except ValueError as e:  # an old checkpoint (no run.json) of another shape
+            raise TrainingError(f"--resume {run_dir}: {e}; start a new run with --output-dir "
+                                f"for a model of another shape") from None
         log.info("resumed from %s at step %d", ckpt, state["step"])
     broadcast_weights(model, d)  # every rank starts from rank 0's weights
     mode = data_parallel_mode(cfg, d)
@@ -495,7 +516,7 @@ def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train
             gen.set_state(state["update_rng"])
         optimizer, scheduler = build_optimizer(model, cfg.optim.lr, cfg)
         scaler = prec.grad_scaler(d.device)
-        if ckpt is not None:
+        if ckpt is not None and WARMUP_DONE not in state:  # else: the warm-up's optimiser
             optimizer_state, scheduler_state = read_training_state(ckpt)
             load_optimizer_state(policy, optimizer, optimizer_state)
             scheduler.load_state_dict(scheduler_state)
@@ -504,10 +525,10 @@ def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train
         rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size // d.world  # this rank's
         return Run(cfg=cfg, run_dir=run_dir, dist=d, model=model, policy=policy,
                    tokenizer=tokenizer, engine=engine, optimizer=optimizer, scheduler=scheduler,
-                   train_rows=train_rows, eval_rows=eval_rows, reward_fn=reward_fn,
+                   train_rows=train_rows, eval_rows=eval_rows, reward_fn=reward,
                    solution=solution, ref_policy=ref_policy, routing=routing, gen=gen,
-                   scaler=scaler, micro=a.micro_batch_size or rows // a.minibatches, checkpoint=ckpt,
-                   state=state)
+                   scaler=scaler, micro=a.micro_batch_size or rows // a.minibatches,
+                   checkpoint=ckpt, state=state, record=what_it_was)
     except BaseException:
         engine.close()
         raise
@@ -543,15 +564,25 @@ def reference_weights(ckpt: Path, beta: float) -> dict:
     return reference
 
 
-def run_warmup(run: Run) -> None:
-    """The supervised warm-up of a new run (none when resuming or warmup.steps=0); then the
-    rollout engine and pi_ref take its weights: RL starts from the warmed-up policy."""
+def run_warmup(run: Run, stop: StopRequest | None = None) -> None:
+    """The supervised warm-up of a new run (none when resuming, except from a warm-up a signal
+    stopped, or with warmup.steps=0); then the rollout engine and pi_ref take its weights: RL
+    starts from the warmed-up policy. A signal stops it within one step, with a checkpoint that
+    a resume continues the warm-up from."""
     cfg = run.cfg
-    if run.checkpoint is not None or cfg.warmup.steps <= 0:
+    done = run.state.get(WARMUP_DONE)
+    if (run.checkpoint is not None and done is None) or cfg.warmup.steps <= 0:
         return
+
+    def on_stop(step: int, optimizer) -> None:
+        save_run_config(run)
+        save(run, 0, None, None, warmup=(step, optimizer))
+        _stopped(run, stop, f"during the warm-up, after {step} of {cfg.warmup.steps} steps", 0)
+
     t0 = time.perf_counter()
     loss = warmup(run.policy, run.model, run.tokenizer, run.train_rows, run.solution, cfg,
-                  run.dist)
+                  run.dist, stop, on_stop, start=done or 0,
+                  optimizer_state=read_training_state(run.checkpoint)[0] if done else None)
     run.warmup_s = time.perf_counter() - t0
     log.info("warm-up: %d steps, final loss %.4f, %.1fs", cfg.warmup.steps, loss, run.warmup_s)
     run.engine.load_weights(policy_weights(run.policy, run.model))
@@ -601,15 +632,20 @@ def data_parallel_mode(cfg: Config, d: Dist) -> str:
     return mode
 
 
-def run_eval(run: Run) -> dict[str, float]:
+def run_eval(run: Run, stop: StopRequest | None = None) -> dict[str, float] | None:
     """Held-out avg@k and pass@k with the rollout engine (fixed seed: common random numbers);
-    each rank evaluates its share of the problems and the means are reduced over ranks."""
+    each rank evaluates its share of the problems and the means are reduced over ranks. None
+    when `stop` was requested: a rank stops within one batch of its own signal (evaluate has
+    no collective), then the ranks agree."""
     t, r, d = run.cfg.train, run.cfg.rollout, run.dist
     rows = run.eval_rows[d.rank::d.world]
     res = evaluate(run.engine, run.tokenizer, rows, run.reward_fn, t.eval_k,
                    SamplingParams(t.eval_temperature, r.top_p, r.max_new_tokens),
                    seed=t.seed + 999_983 + d.rank, system_prompt=run.cfg.data.system_prompt or None,
-                   reward_timeout_s=run.cfg.data.reward_fn_timeout or None)
+                   reward_timeout_s=run.cfg.data.reward_fn_timeout or None,
+                   should_stop=None if stop is None else lambda: stop.signum is not None)
+    if stop is not None and stop.requested(d):
+        return None
     m = WeightedMean()  # means over problems
     m.add(M.EVAL_ACCURACY, res.avg_at_k, len(rows))
     for k, v in sorted(res.pass_at.items()):
@@ -770,7 +806,9 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, *, reward_fn=N
                 held out of train_data)
 
     The saved config.yaml cannot record Python objects: to resume such a run, call train(...,
-    resume=True) with the same objects again (`gspo train --resume` has only the config).
+    resume=True) with the same objects again (each checkpoint's run.json records the reward's
+    name and a fingerprint of the rows, and a resume with others is refused; so is
+    `gspo train --resume`, which has only the config).
     """
     with exclusive(run_dir, enabled=int(os.environ.get("RANK", "0")) == 0), StopRequest() as stop:
         # ---- build the run: task, model, engine, optimiser; a resume's checkpoint restored
@@ -778,50 +816,70 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, *, reward_fn=N
                         eval_data=eval_data)
         try:
             # ---- supervised warm-up (a new run)
-            run_warmup(run)
+            run_warmup(run, stop)
             save_run_config(run)
             # ---- RL steps
             with MetricsLogger(run.run_dir, enabled=run.dist.is_main,
                                resume_from_step=run.start_step if resume else None,
                                report_to=cfg.train.report_to, config=to_dict(cfg),
-                               project=cfg.train.project) as logger:
+                               project=cfg.train.project,
+                               history=run.checkpoint / METRICS_FILE if run.checkpoint else None
+                               ) as logger:
                 return rl_loop(run, resume, logger, stop)
         finally:
             close_run(run)
 
 
-def save(run: Run, done: int, start_acc, final_acc) -> int:
-    """Checkpoint the state after `done` RL steps (a collective when sharded); returns done."""
+WARMUP_DONE = "warmup_done"  # in a warm-up checkpoint's state: the warm-up steps it holds
+
+
+def save(run: Run, done: int, start_acc, final_acc,
+         warmup: tuple[int, torch.optim.Optimizer] | None = None) -> int:
+    """Checkpoint the state after `done` RL steps (a collective when sharded); returns done.
+    warmup: (steps done, its optimiser) of a warm-up stopped part-way, which the checkpoint
+    holds instead of the RL optimiser's state, for a resume to continue it."""
     # DDP: every rank holds the same state, rank 0's is the run's; FSDP: gathered to 0
-    weights, optimizer_state = checkpoint_state(run.policy, run.model, run.optimizer)
+    optimizer = run.optimizer if warmup is None else warmup[1]
+    weights, optimizer_state = checkpoint_state(run.policy, run.model, optimizer)
     lora = is_lora(run.model)
     if lora:  # the merged model for plain transformers; lora/ for an exact resume
         weights = dict(merged_weights(run.model))
     reference = run.ref_policy.model.state_dict() if run.ref_policy else None
+    def extra(d: Path) -> None:  # inside the checkpoint's atomic write
+        write_record(d, run.record)
+        metrics = run.run_dir / METRICS_FILE  # the rows so far, to repair the run's file from
+        if metrics.is_file():
+            shutil.copyfile(metrics, d / METRICS_FILE)
+        if lora:
+            save_adapter(run.model, d / ADAPTER_DIR)
+
     if run.dist.is_main:
-        save_checkpoint(run.run_dir, done, run.model, run.tokenizer, run.optimizer,
-                        run.scheduler, {"step": done, "start_accuracy": start_acc,
-                                        "final_accuracy": final_acc,
-                                        "update_rng": run.gen.get_state(),
-                                        **({"grad_scaler": run.scaler.state_dict()}
-                                           if run.scaler is not None else {})},
+        state = {"step": done, "start_accuracy": start_acc, "final_accuracy": final_acc,
+                 "update_rng": run.gen.get_state(),
+                 **({WARMUP_DONE: warmup[0]} if warmup is not None else {}),
+                 **({"grad_scaler": run.scaler.state_dict()} if run.scaler is not None else {})}
+        save_checkpoint(run.run_dir, done, run.model, run.tokenizer, optimizer,
+                        run.scheduler, state,
                         keep_last=run.cfg.train.keep_last, weights=weights,
-                        optimizer_state=optimizer_state, reference=reference,
-                        extra=(lambda d: save_adapter(run.model, d / ADAPTER_DIR))
-                        if lora else None)
+                        optimizer_state=optimizer_state, reference=reference, extra=extra)
     return done
 
 
 def _halt(run: Run, stop: StopRequest, done: int, saved: int | None, start_acc,
-          final_acc) -> None:
+          final_acc, note: str = "") -> None:
     """After a signal: checkpoint the last finished step (unless it is saved) and stop."""
     if saved != done:
         save(run, done, start_acc, final_acc)
+    _stopped(run, stop, f"after {done} of {run.cfg.train.steps} RL steps{note}", done)
+
+
+def _stopped(run: Run, stop: StopRequest, when: str, step: int) -> None:
+    """Raise Interrupted saying where the run stopped and how to resume (checkpoint saved)."""
     run.dist.barrier()
     signum, name = stop.name(run.dist)
-    raise Interrupted(f"stopped by {name} after {done} of {run.cfg.train.steps} RL steps; "
-                      f"checkpoint {run.run_dir / 'checkpoints' / f'step_{done:06d}'} holds it; "
-                      f"continue with: gspo train --resume {run.run_dir}", signum)
+    raise Interrupted(f"stopped by {name} {when}; checkpoint "
+                      f"{run.run_dir / 'checkpoints' / f'step_{step:06d}'} holds it; continue "
+                      f"with: gspo train --resume {run.run_dir}", signum)
 
 
 def rl_loop(run: Run, resume: bool, logger: MetricsLogger,
@@ -831,22 +889,31 @@ def rl_loop(run: Run, resume: bool, logger: MetricsLogger,
     cfg = run.cfg
     t = cfg.train
     start_acc = run.state.get("start_accuracy")
-    if not resume and t.eval_every > 0:
-        first = run_eval(run)
+    # the step the newest checkpoint holds (a stopped warm-up's is not one to end with)
+    saved = run.start_step if resume and WARMUP_DONE not in run.state else None
+    # the evaluation before RL: a new run's, or one a signal stopped (or the warm-up before it)
+    if t.eval_every > 0 and run.start_step == 0 and start_acc is None:
+        first = run_eval(run, stop)
+        if first is None:
+            _halt(run, stop, 0, saved, None, None, " (the evaluation before RL abandoned)")
         start_acc = first[M.EVAL_ACCURACY]
         logger.log(0, first)
     final_acc = run.state.get("final_accuracy", start_acc)
     rl_t0 = time.perf_counter()
     bar = _progress(range(run.start_step, t.steps), cfg.algorithm.name.upper(),
                     t.progress and run.dist.is_main)
-    saved = run.start_step if resume else None  # the step the newest checkpoint holds
     for step in bar:
         row = None if stop and stop.requested(run.dist) else rl_step(run, step, stop)
         if row is None:  # a signal: nothing of this step is applied
             _halt(run, stop, step, saved, start_acc, final_acc)
         done = step + 1
         if t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps):
-            row.update(run_eval(run))
+            evaluated = run_eval(run, stop)
+            if evaluated is None:  # a signal: the step's own row is kept, its evaluation not
+                logger.log(done, row)
+                _halt(run, stop, done, saved, start_acc, final_acc,
+                      " (its evaluation abandoned)")
+            row.update(evaluated)
             final_acc = row[M.EVAL_ACCURACY]
         logger.log(done, row)
         if hasattr(bar, "set_postfix"):
@@ -855,5 +922,7 @@ def rl_loop(run: Run, resume: bool, logger: MetricsLogger,
         if (t.save_every > 0 and done % t.save_every == 0) or done == t.steps:
             saved = save(run, done, start_acc, final_acc)
         run.dist.barrier()
+    if saved is None:  # train.steps=0: the warm-up's checkpoint, to resume or to use
+        save(run, 0, start_acc, final_acc)
     return Summary(run.run_dir, start_acc, final_acc, run.warmup_s,
                    time.perf_counter() - rl_t0, _peak_rss_mb(), t.steps)

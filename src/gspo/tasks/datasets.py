@@ -81,7 +81,7 @@ def _raw_rows(path: Path, split: str, subset: str = "") -> Iterator[tuple[int, A
                           for v in row.values())
                 yield number, _BadRow("not UTF-8 text") if bad else row
     elif suffix == ".parquet":
-        import pyarrow.parquet as pq
+        pq = _data_extra("pyarrow.parquet", f"reading the Parquet file {path}")
 
         try:
             table = pq.read_table(path)
@@ -93,6 +93,17 @@ def _raw_rows(path: Path, split: str, subset: str = "") -> Iterator[tuple[int, A
         raise DatasetError(f"{path}: unknown data format '{suffix}'; use {FORMATS}")
 
 
+def _data_extra(module: str, what: str):
+    """`module`, one of the `data` extra's packages, or a DatasetError saying how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise DatasetError(f"{what} needs the {module.split('.')[0]} package ({e}): pip install "
+                           f"'gspo[data]'") from None
+
+
 def _is_json_array(path: Path) -> bool:
     with path.open("rb") as f:
         head = f.read(4096).lstrip()
@@ -102,8 +113,7 @@ def _is_json_array(path: Path) -> bool:
 def _hub_rows(name: str, subset: str, split: str) -> Iterator[tuple[int, Any]]:
     """A dataset through `datasets.load_dataset`: a hub id, or a local directory laid out as a
     hub repository (data files, a README declaring its configurations)."""
-    import datasets
-
+    datasets = _data_extra("datasets", f"reading the dataset {name!r}")
     is_dir = Path(name).is_dir()
     where = None if is_dir else hub_unreachable()
     # offline mode still reads the datasets cache; without it, no route fails now, not after
@@ -125,7 +135,7 @@ def _hub_rows(name: str, subset: str, split: str) -> Iterator[tuple[int, Any]]:
 
 
 def _saved_rows(path: Path, split: str) -> Iterator[tuple[int, Any]]:
-    import datasets
+    datasets = _data_extra("datasets", f"reading the datasets directory {path}")
 
     try:
         ds = datasets.load_from_disk(str(path))
