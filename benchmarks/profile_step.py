@@ -48,6 +48,7 @@ def parse():
     p.add_argument("--profile-repeats", type=int, default=3,
                    help="profiled calls of each phase (after one unprofiled)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
+    p.add_argument("--precision", default="fp32", help="train.precision (fp32, bf16-mixed, ...)")
     p.add_argument("--json", default=None)
     return p.parse_args()
 
@@ -79,9 +80,10 @@ def main() -> None:
     step = [f"rollout.group_size={a.group_size}", f"rollout.prompts_per_step={a.prompts}",
             f"rollout.max_new_tokens={a.max_new_tokens}", "algorithm=gspo",
             f"algorithm.minibatches={a.minibatches}", "optim.lr=1e-5", "warmup.steps=0",
-            "train.eval_every=0", "train.progress=false", "train.tensorboard=false"]
+            "train.eval_every=0", "train.progress=false", "train.tensorboard=false",
+            f"train.precision={a.precision}"]
     if a.model:
-        cfg = recipe_config(a.model, ["model.dtype=float32", *step])  # load_model takes names
+        cfg = recipe_config(a.model, step)  # load_model takes names
     else:
         cfg = load_config(overrides=[
             f"model.hidden_size={a.hidden_size}", f"model.num_layers={a.num_layers}",

@@ -21,7 +21,8 @@ steps_per_generation=4, gradient_accumulation_steps=1, num_iterations=1) so that
 algorithm.minibatches=4, one rollout batch of B = prompts * G completions feeds 4 optimiser
 steps, and pi_old is recomputed by a no-grad forward (TRL does so because
 gradient_accumulation_steps % steps_per_generation != 0). TRL's defaults that would differ
-are set explicitly: bf16=False, gradient_checkpointing=False, lr_scheduler_type="constant",
+are set explicitly: bf16=False (`--bf16`: True, and gspo train.precision=bf16-mixed),
+gradient_checkpointing=False, lr_scheduler_type="constant",
 warmup 0, max_grad_norm 1.0, AdamW betas (0.9, 0.999), weight decay 0, top_k=0, use_cpu=True,
 no logging, saving or evaluation. gspo: warmup.steps=0, train.eval_every=0, no checkpoint (the
 final one is skipped in the worker, as TRL saves nothing). `gspo` recomputes pi_old as TRL does;
@@ -73,6 +74,9 @@ def parse_args(argv=None):
                         "does), gspo-rollout-logp (algorithm.old_logprobs=rollout: the sampler's "
                         "log-probs are pi_old, no recompute pass), trl")
     p.add_argument("--threads", type=int, default=0, help="torch threads per run (0 = default)")
+    p.add_argument("--bf16", action="store_true",
+                   help="both sides in bf16 mixed precision: gspo train.precision=bf16-mixed "
+                        "(its sampler in bf16 too), TRL bf16=True")
     p.add_argument("--no-flops", action="store_true",
                    help="skip the extra run per system that counts FLOPs per RL step")
     p.add_argument("--json", help="also write the results here")
@@ -113,7 +117,7 @@ def gspo_worker(a) -> dict:
         f"optim.lr={a.lr}", "optim.grad_clip=1.0", "optim.weight_decay=0.0",
         "warmup.steps=0", f"train.steps={a.steps}", "train.eval_every=0",
         f"train.save_every={10**9}", "train.progress=false", "train.tensorboard=false",
-        f"train.seed={a.seed}",
+        f"train.seed={a.seed}", f"train.precision={'bf16-mixed' if a.bf16 else 'fp32'}",
         *(["algorithm.old_logprobs=rollout", "algorithm.mismatch_every=0"]
           if a.worker == "gspo-rollout-logp" else []),
     ])
@@ -183,7 +187,7 @@ def trl_worker(a) -> dict:
 
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(), use_cpu=True, seed=a.seed, data_seed=a.seed,
-        bf16=False, fp16=False, gradient_checkpointing=False, torch_compile=False,
+        bf16=a.bf16, fp16=False, gradient_checkpointing=False, torch_compile=False,
         report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0,
         learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,

@@ -109,6 +109,19 @@ def test_mixed_logits_gemm_runs_in_bf16_and_the_rest_in_float32():
         assert cos > 0.999 and big == 1.0
 
 
+def test_bf16_log_probs_would_swamp_gspos_clip_range():
+    """Why the log-softmax runs in float32: GSPO clips the length-normalised log-ratio at
+    ~3e-4, and log-probs rounded to bf16 move it by more than that on their own."""
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(16, 40, 2000, generator=g)  # (B, T, V)
+    y = torch.randint(0, 2000, (16, 40), generator=g)
+    exact = logits.double().log_softmax(-1).gather(-1, y[..., None]).squeeze(-1)
+    in_bf16 = logits.bfloat16().log_softmax(-1).gather(-1, y[..., None]).squeeze(-1).double()
+    in_fp32 = logits.log_softmax(-1).gather(-1, y[..., None]).squeeze(-1).double()
+    seq_err = lambda lp: float((lp - exact).mean(-1).abs().max())  # noqa: E731  log s_i's error
+    assert seq_err(in_bf16) > 3e-4 > 1e-5 > seq_err(in_fp32)
+
+
 # ---- gradients against float32
 
 
