@@ -17,7 +17,8 @@ from test_pretrained import needs_wheel as needs_smollm2
 from gspo import metrics as M
 from gspo import precision
 from gspo.checkpoint import latest_checkpoint
-from gspo.config import ConfigError, load_config, rollout_dtype
+from gspo.config import ConfigError, load_config
+from gspo.precision import rollout_dtype
 from gspo.distributed import Policy
 from gspo.logprobs import logprobs_from_hidden
 from gspo.trainer import close_run, generate, old_policy, prepare, train, update

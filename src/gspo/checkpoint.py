@@ -42,6 +42,7 @@ import torch
 from safetensors import SafetensorError
 
 from gspo.errors import TrainingError
+from gspo.precision import dtype_name
 from gspo.weights import untied_missing
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def _set_config_dtype(directory: Path, dtype: torch.dtype) -> None:
     if not path.is_file():
         return
     config = json.loads(path.read_text())
-    config["dtype"] = str(dtype).removeprefix("torch.")
+    config["dtype"] = dtype_name(dtype)
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

@@ -511,14 +511,6 @@ def _check_precision(cfg: Config) -> None:
     m.dtype = "float32"
 
 
-def rollout_dtype(cfg: Config) -> str:
-    """The dtype the rollout engine samples in: rollout.dtype, or with 'auto' the dtype
-    train.precision computes in."""
-    auto = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16",
-            "bf16-true": "bfloat16"}
-    return auto[cfg.train.precision] if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
-
-
 def _check_trackers(t: TrainConfig) -> None:
     """Fold the deprecated train.tensorboard into train.report_to (so the saved config names
     each tracker once); check_fields has checked the names."""

@@ -27,7 +27,7 @@ import torch
 import yaml
 
 from gspo import precision
-from gspo.config import Config, rollout_dtype, to_dict
+from gspo.config import Config, to_dict
 from gspo.data import encode_prompts, score
 from gspo.distributed import Dist, resolve_device
 from gspo.engines import engine_class
@@ -170,7 +170,7 @@ def memory_estimate(model, cfg: Config, world: int, mode: str, prompt_max: int) 
     n = sum(p.numel() for p in model.parameters())
     prec = precision.get(cfg.train.precision)
     width = prec.param_dtype.itemsize
-    roll_dtype = rollout_dtype(cfg)
+    roll_dtype = precision.rollout_dtype(cfg)
     roll_width = getattr(torch, roll_dtype).itemsize
     trainable = n if not cfg.model.lora_rank else lora_parameters(model, cfg)
     shard = world if mode == "fsdp" else 1
@@ -212,7 +212,7 @@ def print_report(cfg: Config, f: dict, model, tokenizer, sample: str, measured: 
     world, seqs = f["world"], r.prompts_per_step * r.group_size
     per_seq = f["prompt_tokens_max"] + r.max_new_tokens
     n = f["parameters"]
-    width = str(precision.get(cfg.train.precision).param_dtype).removeprefix("torch.")
+    width = precision.dtype_name(precision.get(cfg.train.precision).param_dtype)
     shard = f" / {world} ranks" if f["data_parallel"] == "fsdp" else ""
     mode = {"none": "one process", "fsdp": "FSDP2", "ddp": "DDP"}[f["data_parallel"]]
     lines = [
@@ -247,7 +247,7 @@ def print_report(cfg: Config, f: dict, model, tokenizer, sample: str, measured: 
                      f"{cfg.train.precision}: autocast's copy of the weights during a forward")
     if m["rollout_copy"]:
         lines.append(f"  rollout copy  {_size(m['rollout_copy'])}  the {r.engine} "
-                     f"engine's full weights in {rollout_dtype(cfg)}"
+                     f"engine's full weights in {precision.rollout_dtype(cfg)}"
                      + (f" (inside vLLM's {r.vllm_gpu_memory_utilization:g} of the GPU, with "
                         f"its KV cache)" if r.engine == "vllm" else ""))
     if m["reference"]:

@@ -28,7 +28,6 @@ fine-tuning (1e-6) almost nothing moves; the run says so once (:func:`warn_vanis
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -56,14 +55,6 @@ class Precision:
         """Whether gradients need a dynamic loss scale (float16's 5-bit exponent underflows)."""
         return self.compute_dtype == torch.float16
 
-    def autocast(self, device: torch.device | str):
-        """The context the trainable forward runs in: autocast to compute_dtype in the mixed
-        modes, nothing otherwise."""
-        device_type = torch.device(device).type
-        if not self.mixed:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type, dtype=self.compute_dtype)
-
     def grad_scaler(self, device: torch.device | str) -> torch.amp.GradScaler | None:
         """torch's dynamic loss scaler for fp16-mixed (None in the other modes)."""
         if not self.scaled:
@@ -81,6 +72,19 @@ MODES: dict[str, Precision] = {
 
 def get(name: str) -> Precision:
     return MODES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32: the name configs and config.json use."""
+    return str(dtype).removeprefix("torch.")
+
+
+def rollout_dtype(cfg) -> str:
+    """The dtype the rollout engine samples in: rollout.dtype, or with 'auto' the dtype
+    train.precision computes in."""
+    if cfg.rollout.dtype != "auto":
+        return cfg.rollout.dtype
+    return dtype_name(get(cfg.train.precision).compute_dtype)
 
 
 def step(optimizer: torch.optim.Optimizer, params, grad_clip: float,

@@ -37,7 +37,7 @@ import transformers
 from gspo.checkpoint import (latest_checkpoint, load_checkpoint, read_reference,
                              read_training_state, save_checkpoint)
 from gspo import precision
-from gspo.config import Config, rollout_dtype, save_config, to_dict
+from gspo.config import Config, save_config, to_dict
 from gspo.data import encode_prompts, score
 from gspo.distributed import (Dist, Policy, as_local, broadcast_weights, checkpoint_state,
                                fsdp_available, init_distributed, iter_weights,
@@ -97,7 +97,7 @@ def build_model(cfg: Config, device: torch.device | str = "cpu", weights: bool =
                                      num_experts=m.num_experts,
                                      num_experts_per_tok=m.num_experts_per_tok, **shape)
     else:
-        model, tokenizer = load_model(m.name_or_path, dtype=str(dtype).removeprefix("torch."),
+        model, tokenizer = load_model(m.name_or_path, dtype=precision.dtype_name(dtype),
                                       weights=weights, full_training=not m.lora_rank)
         if not weights:
             return model, tokenizer  # on the meta device, in the weights' dtype
@@ -376,7 +376,7 @@ def build_engine(model, tokenizer, cfg: Config, own_copy: bool = False) -> Rollo
     """The rollout engine rollout.engine names (gspo.engines.ENGINES), from the model's weights."""
     r = cfg.rollout
     try:
-        return make_engine(r.engine, model, tokenizer, dtype=rollout_dtype(cfg),
+        return make_engine(r.engine, model, tokenizer, dtype=precision.rollout_dtype(cfg),
                            seed=cfg.train.seed,
                            own_copy=own_copy, **engine_options(r))
     except (ImportError, RuntimeError, ValueError) as e:  # an engine that cannot start here
