@@ -4,7 +4,8 @@ import torch
 from gspo import metrics as M
 from gspo.models import build_tiny_qwen3_moe
 from gspo.logprobs import token_logprobs
-from gspo.moe import RoutingRecorder, expert_volatility, find_routers, load_stats
+from gspo.moe import (MoeRouting, RoutingRecorder, expert_volatility, find_routers,
+                      load_stats)
 
 
 @pytest.fixture
@@ -60,6 +61,33 @@ def test_replay_forces_the_recorded_experts_after_the_router_changed(moe, batch)
     # and the new router really would have chosen differently
     assert any(not torch.equal(f, rec.indices()[i].reshape(f.shape))
                for i, f in enumerate(free_choice))
+
+
+def test_routing_an_engine_reports_is_forced_in_pi_olds_recompute_and_the_update(moe, batch):
+    """R3: experts the engine reports with its rollouts (vLLM's routed experts) become pi_old's
+    routing, forced in the recompute (`recording`) and in every update forward (`replaying`)."""
+    ids, mask = batch
+    B, L = ids.shape
+    g = torch.Generator().manual_seed(1)
+    k = find_routers(moe)[0][1].top_k
+    # k distinct experts per position, as a router picks them
+    reported = [torch.stack([torch.randperm(8, generator=g)[:k] for _ in range(B * (L - 1))])
+                .view(B, L - 1, k) for _ in find_routers(moe)]
+    routing = MoeRouting(moe, replay=True)
+    routing.sampled(L - 1, reported)
+    spy = ChoiceSpy(moe)
+    rows = torch.tensor([3, 1])
+    with torch.no_grad(), routing.recording(B, L - 1)(rows):  # pi_old's recompute
+        token_logprobs(moe, ids[rows], mask[rows], 5)
+    with torch.no_grad(), routing.replaying(rows):  # an update forward
+        token_logprobs(moe, ids[rows], mask[rows], 5)
+    n = len(find_routers(moe))
+    for chosen in (spy.chosen[:n], spy.chosen[n:]):
+        for layer, c in enumerate(chosen):
+            assert torch.equal(c, reported[layer][rows].reshape(c.shape))
+    with pytest.raises(RuntimeError, match="positions to replay"):
+        routing.sampled(L, reported)  # a layout that does not fit the rollouts is refused
+    routing.close()
 
 
 def test_replay_without_a_weight_change_equals_free_routing(moe, batch):

@@ -256,3 +256,22 @@ def test_sampler_draws_from_the_softmax_distribution():
     freq = torch.bincount(token, minlength=4).float() / len(token)
     torch.testing.assert_close(freq, logits[0].softmax(-1), atol=0.01, rtol=0)
     torch.testing.assert_close(logp, logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1))
+
+
+def test_vllm_routing_lands_on_the_trainers_decoder_positions():
+    """vLLM reports each row's routing over its unpadded prompt + response; the trainer's
+    forward reads Lp + T - 1 left-padded decoder inputs. Hand-built: Lp = 3, T = 2, 2 layers,
+    k = 1, row 0 with a 3-token prompt, row 1 with a 1-token prompt; expert id = 10 * layer +
+    position in the sequence (+ 100 for row 1)."""
+    import numpy as np
+
+    from gspo.engines.vllm import routing_tensors
+    row0 = np.array([[[p], [10 + p]] for p in range(5)])  # 3 prompt + 2 response tokens
+    row1 = np.array([[[100 + p], [110 + p]] for p in range(2)])  # 1 prompt + 1 sampled token
+    layer0, layer1 = routing_tensors([row0, row1], [3, 1], Lp=3, T=2)
+    # row 0: no padding; 4 decoder inputs, the last sampled token's routing is never read
+    assert layer0[0, :, 0].tolist() == [0, 1, 2, 3]
+    assert layer1[0, :, 0].tolist() == [10, 11, 12, 13]
+    # row 1: two pad columns (expert 0), then its prompt token and its one response token
+    assert layer0[1, :, 0].tolist() == [0, 0, 100, 101]
+    assert layer1[1, :, 0].tolist() == [0, 0, 110, 111]

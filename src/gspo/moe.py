@@ -190,8 +190,10 @@ class MoeRouting:
 
         sampling / sampled   around the rollout: when Routing Replay takes pi_old from the
                              engine (old_logprobs=rollout), record the experts the engine's own
-                             forwards chose while it sampled
-        recording            around pi_old's recompute: record the experts it chose
+                             forwards chose while it sampled; or take the experts an engine
+                             reports itself (R3, vLLM's recorded routing, `Rollouts.routing`)
+        recording            around pi_old's recompute: record the experts it chose, or with
+                             R3 force the engine's
         replaying            around each update forward (algorithm.routing_replay): force them
         step_metrics         after the update: router load under pi_old and expert volatility,
                              the same tokens routed again by the updated policy
@@ -205,22 +207,37 @@ class MoeRouting:
         self.replays = replay
         # pi_old's routing recorded from the engine's forwards while it samples
         self.engine_recorder = RoutingRecorder(engine_model) if engine_model is not None else None
+        self.from_engine = False  # this step's pi_old routing is the one the engine reported
 
     def sampling(self, n_rows: int):
         if self.engine_recorder is None:
             return contextlib.nullcontext()
         return self.engine_recorder.record_stream(n_rows)
 
-    def sampled(self, seq_len: int) -> None:
-        """After the rollout: the engine's routing, if recorded, becomes pi_old's."""
+    def sampled(self, seq_len: int, routing: list[Tensor] | None = None) -> None:
+        """After the rollout: the engine's routing, if recorded here or reported by the engine
+        (`routing`: per layer (B, seq_len, k)), becomes pi_old's."""
+        self.from_engine = False
         if self.engine_recorder is not None:
             self.engine_recorder.finish_stream("old", seq_len)
             self.recorder.stores["old"] = self.engine_recorder.stores["old"]
+        elif routing is not None and self.replays:
+            if len(routing) != len(self.recorder.routers) or routing[0].shape[1] != seq_len:
+                raise RuntimeError(f"the engine reported routing of {len(routing)} layers x "
+                                   f"{routing[0].shape[1]} positions; the policy has "
+                                   f"{len(self.recorder.routers)} MoE layers and {seq_len} "
+                                   f"positions to replay")
+            self.recorder.stores["old"] = [x.to(self.recorder.routers[0][1].weight.device)
+                                           for x in routing]
+            self.from_engine = True
 
     def recording(self, n_rows: int, seq_len: int):
         """A `rows -> context manager` under which forwards over those rows record pi_old's
         routing, for (n_rows, seq_len) decoder positions; None when pi_old's routing is the
-        engine's, recorded as it sampled."""
+        engine's, recorded as it sampled; with R3 (routing the engine reported) a context that
+        forces the engine's experts, so pi_old is the sampler's sub-network."""
+        if self.from_engine:
+            return self.recorder.replay
         if self.engine_recorder is not None:
             return None
         self.recorder.allocate("old", n_rows, seq_len)
@@ -272,7 +289,7 @@ class NoRouting:
     def sampling(self, n_rows: int):
         return contextlib.nullcontext()
 
-    def sampled(self, seq_len: int) -> None:
+    def sampled(self, seq_len: int, routing=None) -> None:
         pass
 
     def recording(self, n_rows: int, seq_len: int):

@@ -378,16 +378,18 @@ def build_engine(model, tokenizer, cfg: Config, own_copy: bool = False) -> Rollo
     try:
         return make_engine(r.engine, model, tokenizer, dtype=precision.rollout_dtype(cfg),
                            seed=cfg.train.seed,
-                           own_copy=own_copy, **engine_options(r))
+                           own_copy=own_copy,
+                           **engine_options(r, cfg.algorithm.routing_replay))
     except (ImportError, RuntimeError, ValueError) as e:  # an engine that cannot start here
         raise TrainingError(f"rollout.engine={r.engine}: {e}") from e
 
 
-def engine_options(r) -> dict:
+def engine_options(r, routing_replay: bool = False) -> dict:
     """The engine-specific fields of a RolloutConfig, as keyword options of its factory."""
     if r.engine != "vllm":
         return {}
-    return {"gpu_memory_utilization": r.vllm_gpu_memory_utilization}
+    return {"gpu_memory_utilization": r.vllm_gpu_memory_utilization,
+            "record_routing": routing_replay}
 
 
 def check_launch(cfg: Config, world: int, n_train_rows: int | None = None,
@@ -414,9 +416,11 @@ def check_launch(cfg: Config, world: int, n_train_rows: int | None = None,
         raise TrainingError(f"rollout.engine={r.engine} runs one engine in one process; under "
                             f"torchrun use rollout.engine=hf")
     if a.routing_replay and a.old_logprobs == "rollout" and not engine.records_routing:
+        why = getattr(engine, "no_routing_reason", None)
         raise TrainingError(f"routing replay with old_logprobs=rollout needs an engine that "
-                            f"records MoE routing; rollout.engine={r.engine} does not (use "
-                            f"rollout.engine=hf or algorithm.old_logprobs=recompute)")
+                            f"records MoE routing; rollout.engine={r.engine} does not here"
+                            f"{f' ({why})' if why else ''}: use rollout.engine=hf or "
+                            f"algorithm.old_logprobs=recompute")
     source = cfg.data.path or "the training rows"
     if n_train_rows is not None and n_train_rows < r.prompts_per_step:
         raise TrainingError(f"{source} has {n_train_rows} training row(s) (held-out rows not "
@@ -507,7 +511,7 @@ def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train
         if t.precision == "bf16-true":
             precision.warn_vanishing_updates(model, cfg.optim.lr)
         try:
-            routing = routing_for(model, a.routing_replay, engine.model if (
+            routing = routing_for(model, a.routing_replay, getattr(engine, "model", None) if (
                 a.routing_replay and a.old_logprobs == "rollout") else None)
         except ValueError as e:
             raise TrainingError(f"{e}; {cfg.model.name_or_path} has none") from None
@@ -662,7 +666,7 @@ def generate(run: Run, rows: list[dict], step: int) -> Rollouts:
     seed = run.cfg.train.seed * 7_919 + step + 1_000_003 * run.dist.rank
     with run.routing.sampling(len(prompts) * r.group_size):
         rollouts = run.engine.generate(prompts, n=r.group_size, params=params, seed=seed)
-    run.routing.sampled(rollouts.input_ids.shape[1] - 1)
+    run.routing.sampled(rollouts.input_ids.shape[1] - 1, rollouts.routing)
     return rollouts.to(run.dist.device)  # an engine may hand back host tensors (vLLM)
 
 

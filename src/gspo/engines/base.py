@@ -56,6 +56,10 @@ class Rollouts:
     """(B, T) float, 1 on every generated token up to and including eos, 0 after."""
     logp: torch.Tensor
     """(B, T) float, the sampler's log-prob of each response token (see above), 0 where masked."""
+    routing: list[torch.Tensor] | None = None
+    """MoE only, from an engine that reports its routing (`returns_routing`): per router layer a
+    (B, Lp + T - 1, k) long tensor of the experts each decoder input position was routed to
+    while sampling (position j predicts token j + 1; padding positions hold expert 0)."""
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -73,7 +77,9 @@ class Rollouts:
         """The same rollouts on `device` (self when already there)."""
         if self.response_ids.device == torch.device(device):
             return self
-        return Rollouts(**{k: v.to(device) for k, v in vars(self).items()})
+        moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        routing = None if self.routing is None else [x.to(device) for x in self.routing]
+        return Rollouts(**moved, routing=routing)
 
 
 class RolloutEngine(Protocol):
@@ -82,8 +88,9 @@ class RolloutEngine(Protocol):
     Capabilities are attributes, so the trainer asks instead of checking types."""
 
     records_routing: bool
-    """Whether `model` is an in-process torch module whose MoE routers can be recorded while it
-    generates (Routing Replay with old_logprobs=rollout)."""
+    """Whether the MoE routing it samples with reaches the trainer (Routing Replay with
+    old_logprobs=rollout): through hooks on `model`, an in-process torch module, or as
+    `Rollouts.routing` when `returns_routing` is true (R3: vLLM's recorded experts)."""
 
     single_process: bool
     """Whether it runs only in a process of its own, not on the ranks of a torchrun launch."""

@@ -124,7 +124,7 @@ class HFEngine:
         finally:
             self.model.train(was_training)
         # Inference tensors cannot be saved for backward; plain copies can enter the training graph.
-        return Rollouts(**{k: v.clone() for k, v in vars(rollouts).items()})
+        return Rollouts(**{k: v.clone() for k, v in vars(rollouts).items() if v is not None})
 
     def _forward(self, ids, mask, cache):
         out = self.model(
