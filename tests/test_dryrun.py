@@ -199,7 +199,10 @@ def test_every_malformed_row_is_named_in_one_error_line(tmp_path):
     (["rollout.prompts_per_step=2", "rollout.group_size=2"], 2, {},
      "each of the 2 ranks holds 2 rollouts per step, which is not divisible by "
      "algorithm.minibatches=4"),
-    (["rollout.engine=vllm"], 2, {}, "rollout.engine=vllm runs one engine in one process"),
+    (["rollout.engine=vllm", "rollout.tensor_parallel_size=4"], 2, {},
+     "rollout.tensor_parallel_size=4 needs rollout.engine=vllm under torchrun with a multiple "
+     "of that many ranks per node (here: rollout.engine=vllm, 2 rank(s))"),
+    (["rollout.tensor_parallel_size=2"], 2, {}, "here: rollout.engine=hf"),
 ])
 def test_what_does_not_divide_over_the_ranks_is_refused_as_the_run_would(overrides, world, env,
                                                                          message, monkeypatch):

@@ -5,6 +5,11 @@ Runs in the vLLM environment: `bash scripts/setup.sh --vllm && .venv-vllm/bin/py
 """
 
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -335,3 +340,67 @@ def test_gspo_eval_samples_with_vllm(tmp_path):
     records = [json.loads(x) for x in out.read_text().splitlines()]
     assert records[-1]["id"] == "overall" and records[-1]["problems"] == 3
     assert all(len(r["completions"]) == 2 for r in records[:-1])
+
+
+# ---- under torchrun: one engine per rank
+
+TORCHRUN_VLLM = VLLM_RUN + ["rollout.prompts_per_step=4", "train.dist_timeout_s=120"]
+
+
+def torchrun_vllm(*args: str, timeout: int = 280) -> subprocess.CompletedProcess:
+    from test_distributed import launch
+    out = launch(2, *args, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_one_engine_per_rank_under_torchrun(tmp_path, tp):
+    """Each rank's engine (tp=1) or the two ranks' shared one (tp=2) samples each rank's own
+    prompts with its own seeds, gives its trainer's log-probs before and after a push, and
+    shuts down without taking the trainer's process group with it."""
+    torchrun_vllm(str(Path(__file__).with_name("dist_vllm_worker.py")), str(tmp_path), str(tp))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rows"] for r in ranks] == [8, 12]  # 2 and 3 prompts x 4
+    for r in ranks:
+        assert r["before"] < 1e-4 and r["after"] < 1e-4, r
+        assert r["group_after_close"] == 2.0
+        assert r["threads"] == 2  # torch.set_num_threads works again after the engine starts
+    assert ranks[0]["responses"][:8] != ranks[1]["responses"][:8]  # the ranks' samples differ
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_train_under_torchrun_with_vllm_on_every_rank(tmp_path, mode):
+    """Pushed after every update (from FSDP2 shards: one gathered tensor at a time), each
+    rank's engine samples with its trainer's weights: mismatch/* is the max over ranks."""
+    run = tmp_path / "run"
+    torchrun_vllm("-m", "gspo", "train", "--output-dir", str(run), *TORCHRUN_VLLM,
+                  "train.steps=2", f"train.data_parallel={mode}", "algorithm.old_logprobs=rollout")
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r[M.MISMATCH + "token_abs_max"] < 1e-4, r
+
+
+def test_sigterm_and_resume_under_torchrun_with_vllm(tmp_path):
+    from test_run_control import steps_logged, wait_for
+    run = tmp_path / "run"
+    args = TORCHRUN_VLLM + ["train.data_parallel=fsdp", "train.save_every=0"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node=2", "-m", "gspo", "train", "--output-dir", str(run),
+                          *args, "train.steps=100000"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**env, "OMP_NUM_THREADS": "1"},
+                         start_new_session=True)
+    try:
+        wait_for(lambda: steps_logged(run) >= 1, proc=p, timeout=240)
+        p.send_signal(signal.SIGTERM)  # the launcher, as Kubernetes does; it forwards it
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    done = steps_logged(run)
+    assert f"gspo: stopped by SIGTERM after {done} of 100000 RL steps" in err, err[-3000:]
+    torchrun_vllm("-m", "gspo", "train", "--resume", str(run), *args, f"train.steps={done + 1}")
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, done + 2))

@@ -178,6 +178,8 @@ class RolloutConfig:
     dtype: str = _f("auto", "precision the rollout engine samples in: 'auto' = the dtype "
                     "train.precision computes in (float32 for fp32, bfloat16 for bf16-mixed)",
                     choices=("auto", "float32", "bfloat16", "float16"))
+    tensor_parallel_size: int = _f(1, "vllm only: GPUs (ranks of one node) that share one vLLM "
+                                   "engine under torchrun; 1 = one engine per rank", ge=1)
     vllm_gpu_memory_utilization: float = _f(0.3, "vllm only: fraction of GPU memory for vLLM "
                                             "(colocated with training)")
     group_size: int = _f(8, "G: responses sampled per prompt", ge=2,

@@ -389,7 +389,7 @@ def engine_options(r, routing_replay: bool = False) -> dict:
     if r.engine != "vllm":
         return {}
     return {"gpu_memory_utilization": r.vllm_gpu_memory_utilization,
-            "record_routing": routing_replay}
+            "record_routing": routing_replay, "tensor_parallel_size": r.tensor_parallel_size}
 
 
 def check_launch(cfg: Config, world: int, n_train_rows: int | None = None,
@@ -411,6 +411,10 @@ def check_launch(cfg: Config, world: int, n_train_rows: int | None = None,
     if world > 1 and cfg.model.lora_rank > 0:
         raise TrainingError("model.lora_rank > 0 runs in one process for now; launch without "
                             "torchrun, or train every weight (model.lora_rank=0)")
+    if r.tensor_parallel_size > 1 and (r.engine != "vllm" or world % r.tensor_parallel_size):
+        raise TrainingError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} needs "
+                            f"rollout.engine=vllm under torchrun with a multiple of that many "
+                            f"ranks per node (here: rollout.engine={r.engine}, {world} rank(s))")
     engine = engine_class(r.engine)
     if world > 1 and engine.single_process:
         raise TrainingError(f"rollout.engine={r.engine} runs one engine in one process; under "

