@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
-# One prepared check for a GPU machine with vLLM already installed (`pip install -e '.[vllm]'`):
-# a few GSPO steps with each rollout engine (hf, vllm) on a small Qwen3 built locally, printing
-# the train/inference mismatch and the step times; first the GPU-training tests.
-# Finishes within 9 minutes (150 s + 380 s caps), under the device runner's 600 s per command.
-#   bash scripts/gpu_check.sh            (uses `python`; set PYTHON=... to choose another)
+# One prepared check for a GPU machine with vLLM already installed (`pip install -e '.[vllm]'`),
+# in two parts that each finish within the device runner's 600 s per command:
+#   tests  the GPU-training tests (CPU == GPU update; FSDP2 / DDP on 2 GPUs), then
+#          tests/test_vllm_engine.py on the GPU build: pushed weights, R3 routing, sleep mode,
+#          and with 2 GPUs one engine per rank under torchrun (TP 1 and 2, DDP, FSDP2, SIGTERM
+#          and resume); caps 150 s + 400 s
+#   steps  a few GSPO steps with each rollout engine (hf, vllm) on a small Qwen3 built locally,
+#          printing the train/inference mismatch and the step times; cap 380 s
+#   bash scripts/gpu_check.sh [tests|steps|all]   (default all; set PYTHON=... to choose python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
+PART=${1:-all}
 "$PY" -c "import torch, vllm; assert torch.cuda.is_available(), 'no CUDA device'; \
-print('torch', torch.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())"
-# training on the GPU: CPU == GPU update, 2-GPU FSDP2 / DDP (if 2 GPUs), a short run + resume
-timeout 150 "$PY" -m pytest -q -m gpu tests/test_gpu_training.py
+print('torch', torch.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name(), \
+'x', torch.cuda.device_count())"
+if [[ $PART == tests || $PART == all ]]; then
+  timeout 150 "$PY" -m pytest -q -m gpu tests/test_gpu_training.py
+  timeout 400 "$PY" -m pytest -q -m "not slow" tests/test_vllm_engine.py
+fi
+[[ $PART == steps || $PART == all ]] || exit 0
 timeout 380 "$PY" - <<'PYEOF'
 import tempfile, time
 from pathlib import Path

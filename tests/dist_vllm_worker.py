@@ -8,6 +8,7 @@ process group once more; it writes what it saw to OUT_DIR/rank{R}.json.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,18 +21,23 @@ from gspo.models import build_tiny_qwen3, build_tokenizer
 
 
 def max_dlogp(model, r) -> float:
+    r = r.to(next(model.parameters()).device)
     with torch.no_grad():
         ref = token_logprobs(model, r.input_ids, r.attention_mask, r.response_ids.shape[1])
     return float(((r.logp - ref) * r.response_mask).abs().max())
 
 
 def main(out: Path, tp: int) -> None:
-    dist.init_process_group("gloo")
+    cuda = torch.cuda.is_available()  # one GPU per rank (scripts/gpu_check.sh), else the CPU
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     tok = build_tokenizer()
     torch.manual_seed(0)  # the same model on every rank, as after the trainer's broadcast
     model = build_tiny_qwen3(tok, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                             intermediate_size=128)
+                             intermediate_size=128).to(device)
     engine = make_engine("vllm", model, tok, dtype="float32", seed=0, tensor_parallel_size=tp)
     torch.set_num_threads(2)  # vLLM's CPU worker had made this a no-op
     seen = {"threads": torch.get_num_threads()}
@@ -50,7 +56,7 @@ def main(out: Path, tp: int) -> None:
     engine.load_weights((n, t) for n, t in model.state_dict().items() if n != "lm_head.weight")
     seen["after"] = max_dlogp(model, engine.generate(prompts, n=4, params=params, seed=7))
     engine.close()
-    alive = torch.ones(1)
+    alive = torch.ones(1, device=device)
     dist.all_reduce(alive)  # the trainer's group outlived vLLM's teardown
     seen["group_after_close"] = float(alive)
     (out / f"rank{rank}.json").write_text(json.dumps(seen))

@@ -118,6 +118,17 @@ def test_the_moe_recipe_keeps_the_papers_settings():
     assert (a.name, a.eps_low, a.eps_high, a.minibatches, a.beta, a.routing_replay) == \
         ("gspo", 3e-4, 4e-4, 4, 0.0, False)
     assert cfg.train.data_parallel == "fsdp" and cfg.train.eval_k == 32  # AIME'24 avg@32
+    r = cfg.rollout  # vLLM, TP within a node, asleep while the trainer updates
+    assert (r.engine, r.tensor_parallel_size, r.vllm_sleep) == ("vllm", 4, True)
+
+
+def test_the_rollout_copy_is_split_over_the_tensor_parallel_ranks(moe_dir):
+    base = [f"model.name_or_path={moe_dir}", "warmup.steps=0", "rollout.engine=vllm",
+            "rollout.prompts_per_step=8"]
+    one, four = (dry_run(load_config(overrides=base + [f"rollout.tensor_parallel_size={tp}"]),
+                         world=8, out=io.StringIO())["memory"]["rollout_copy"] for tp in (1, 4))
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(moe_dir).parameters())
+    assert one == n * 4 and four == n  # float32 sampler ('auto' of fp32), a quarter each
 
 
 # ---------------------------------------------------------------------------------------------

@@ -321,6 +321,44 @@ def test_r3_the_trainer_routes_the_sampled_tokens_to_vllms_experts(tok):
         engine.close()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="sleep mode works on GPUs")
+def test_sleep_mode_on_the_cpu_says_why_not(tmp_path):
+    cfg = load_config(overrides=VLLM_RUN + ["rollout.vllm_sleep=true", "warmup.steps=0"])
+    with pytest.raises(TrainingError, match="vLLM's sleep mode is CUDA only.*"
+                                            "set rollout.vllm_sleep=false"):
+        train(cfg, tmp_path / "run")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's sleep mode is CUDA only")
+def test_sleep_gives_the_gpu_memory_back_and_a_push_wakes_it(tok, tmp_path):
+    """Level 2 discards vLLM's weights and KV cache: the GPU gets the memory back, sampling
+    before a push is refused, and after the push vLLM's log-probs are the trainer's again;
+    a run with rollout.vllm_sleep=true trains with a small mismatch."""
+    model = MODELS["qwen3"](tok).cuda()
+    engine = vllm_engine(model, tok, sleep=True)
+    try:
+        params = SamplingParams(max_new_tokens=8)
+        engine.generate(prompt_ids(tok), n=4, params=params, seed=0)
+        free_awake = torch.cuda.mem_get_info()[0]
+        engine.sleep()
+        assert torch.cuda.mem_get_info()[0] > free_awake + (64 << 20)  # at least the KV cache
+        with pytest.raises(RuntimeError, match="asleep"):
+            engine.generate(prompt_ids(tok), n=4, params=params, seed=0)
+        perturb_(model)
+        engine.load_weights(model.state_dict().items())
+        r = engine.generate(prompt_ids(tok), n=4, params=params, seed=0).to(model.device)
+        assert ((r.logp - recompute(model, r)) * r.response_mask).abs().max() < 1e-4
+    finally:
+        engine.close()
+    run = tmp_path / "run"
+    train(load_config(overrides=VLLM_RUN + ["rollout.vllm_sleep=true", "train.steps=2",
+                                            "algorithm.old_logprobs=rollout"]), run)
+    for row in read_metrics(run / "metrics.jsonl"):
+        assert row[M.MISMATCH + "token_abs_max"] < 1e-3, row
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the head_dim limit is the CPU kernels'")
 def test_unsupported_cpu_head_dim_is_a_clear_error(tmp_path):
     cfg = load_config(overrides=VLLM_RUN + ["model.hidden_size=32"])  # head_dim 16
     with pytest.raises(TrainingError, match="head_dim=16"):
@@ -347,6 +385,10 @@ def test_gspo_eval_samples_with_vllm(tmp_path):
 TORCHRUN_VLLM = VLLM_RUN + ["rollout.prompts_per_step=4", "train.dist_timeout_s=120"]
 
 
+ONE_GPU = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                             reason="one engine per rank: 2 GPUs on a GPU machine")
+
+
 def torchrun_vllm(*args: str, timeout: int = 280) -> subprocess.CompletedProcess:
     from test_distributed import launch
     out = launch(2, *args, timeout=timeout)
@@ -354,6 +396,7 @@ def torchrun_vllm(*args: str, timeout: int = 280) -> subprocess.CompletedProcess
     return out
 
 
+@ONE_GPU
 @pytest.mark.parametrize("tp", [1, 2])
 def test_one_engine_per_rank_under_torchrun(tmp_path, tp):
     """Each rank's engine (tp=1) or the two ranks' shared one (tp=2) samples each rank's own
@@ -369,6 +412,7 @@ def test_one_engine_per_rank_under_torchrun(tmp_path, tp):
     assert ranks[0]["responses"][:8] != ranks[1]["responses"][:8]  # the ranks' samples differ
 
 
+@ONE_GPU
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_train_under_torchrun_with_vllm_on_every_rank(tmp_path, mode):
     """Pushed after every update (from FSDP2 shards: one gathered tensor at a time), each
@@ -382,6 +426,7 @@ def test_train_under_torchrun_with_vllm_on_every_rank(tmp_path, mode):
         assert r[M.MISMATCH + "token_abs_max"] < 1e-4, r
 
 
+@ONE_GPU
 def test_sigterm_and_resume_under_torchrun_with_vllm(tmp_path):
     from test_run_control import steps_logged, wait_for
     run = tmp_path / "run"

@@ -180,6 +180,9 @@ class RolloutConfig:
                     choices=("auto", "float32", "bfloat16", "float16"))
     tensor_parallel_size: int = _f(1, "vllm only: GPUs (ranks of one node) that share one vLLM "
                                    "engine under torchrun; 1 = one engine per rank", ge=1)
+    vllm_sleep: bool = _f(False, "vllm only, GPU only: vLLM discards its weights and KV cache "
+                          "(sleep level 2) while the trainer scores and updates, and is woken by "
+                          "the next weight push; for when training and vLLM do not both fit")
     vllm_gpu_memory_utilization: float = _f(0.3, "vllm only: fraction of GPU memory for vLLM "
                                             "(colocated with training)")
     group_size: int = _f(8, "G: responses sampled per prompt", ge=2,

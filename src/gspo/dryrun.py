@@ -160,13 +160,16 @@ def prompt_lengths(rows: list[dict], tokenizer, cfg: Config) -> tuple[int, float
     return max(lengths), sum(lengths) / len(lengths), len(lengths)
 
 
+SLEEPS = "; given back during the update: rollout.vllm_sleep"
+
+
 def memory_estimate(model, cfg: Config, world: int, mode: str, prompt_max: int) -> dict:
     """Bytes per rank of what a run holds for the whole run: weights, gradients and AdamW's two
     moments (sharded over the ranks under FSDP; AdamW keeps them in the parameters' dtype:
     float32 but in bf16-true), the low-precision weights a mixed-precision forward holds
     (autocast's casts; FSDP2 gathers one layer at a time), the rollout engine's own full copy
-    and pi_ref's, and the hf engine's KV cache for this rank's sequences at full length.
-    Activations and logits come on top."""
+    (vLLM's split over its rollout.tensor_parallel_size ranks) and pi_ref's, and the hf engine's
+    KV cache for this rank's sequences at full length. Activations and logits come on top."""
     n = sum(p.numel() for p in model.parameters())
     prec = precision.get(cfg.train.precision)
     width = prec.param_dtype.itemsize
@@ -186,7 +189,7 @@ def memory_estimate(model, cfg: Config, world: int, mode: str, prompt_max: int) 
             "adamw": 2 * trainable * width / shard,
             "compute_casts": n * prec.compute_dtype.itemsize if prec.mixed and mode != "fsdp"
             else 0,
-            "rollout_copy": n * roll_width if own_copy else 0,
+            "rollout_copy": n * roll_width / cfg.rollout.tensor_parallel_size if own_copy else 0,
             "reference": n * width if cfg.algorithm.beta > 0 else 0,
             "kv_cache": kv if cfg.rollout.engine == "hf" else 0}
 
@@ -246,10 +249,15 @@ def print_report(cfg: Config, f: dict, model, tokenizer, sample: str, measured: 
         lines.append(f"  casts         {_size(m['compute_casts'])}  train.precision="
                      f"{cfg.train.precision}: autocast's copy of the weights during a forward")
     if m["rollout_copy"]:
+        tp = r.tensor_parallel_size
         lines.append(f"  rollout copy  {_size(m['rollout_copy'])}  the {r.engine} "
-                     f"engine's full weights in {precision.rollout_dtype(cfg)}"
+                     f"engine's {'full ' if tp == 1 else ''}weights in "
+                     f"{precision.rollout_dtype(cfg)}"
+                     + (f", split over {tp} ranks (rollout.tensor_parallel_size)" if tp > 1
+                        else "")
                      + (f" (inside vLLM's {r.vllm_gpu_memory_utilization:g} of the GPU, with "
-                        f"its KV cache)" if r.engine == "vllm" else ""))
+                        f"its KV cache{SLEEPS if r.vllm_sleep else ''})"
+                        if r.engine == "vllm" else ""))
     if m["reference"]:
         lines.append(f"  pi_ref copy   {_size(m['reference'])}  algorithm.beta > 0")
     if m["kv_cache"]:

@@ -389,7 +389,8 @@ def engine_options(r, routing_replay: bool = False) -> dict:
     if r.engine != "vllm":
         return {}
     return {"gpu_memory_utilization": r.vllm_gpu_memory_utilization,
-            "record_routing": routing_replay, "tensor_parallel_size": r.tensor_parallel_size}
+            "record_routing": routing_replay, "tensor_parallel_size": r.tensor_parallel_size,
+            "sleep": r.vllm_sleep}
 
 
 def check_launch(cfg: Config, world: int, n_train_rows: int | None = None,
@@ -745,6 +746,7 @@ def rl_step(run: Run, step: int, stop: StopRequest | None = None) -> dict[str, f
     share = len(rows) // run.dist.world
     rows = rows[run.dist.rank * share:(run.dist.rank + 1) * share]
     rollouts = generate(run, rows, step)
+    run.engine.sleep()  # until the update's push (rollout.vllm_sleep)
     texts = decode_responses(run.tokenizer, rollouts)
     t_rollout = time.perf_counter() - t0
     if stop is not None and stop.requested(run.dist):

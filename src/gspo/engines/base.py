@@ -108,6 +108,12 @@ class RolloutEngine(Protocol):
         consumed one at a time, so a producer may gather each tensor only when it is asked."""
         ...
 
+    def sleep(self) -> None:
+        """Give back the accelerator memory the engine holds (weights, KV cache) until the next
+        `load_weights`, which must come before the next `generate`; a no-op where there is
+        nothing to give back."""
+        ...
+
     def close(self) -> None:
         """Release what the engine holds (a vLLM engine, its temporary files); idempotent."""
         ...

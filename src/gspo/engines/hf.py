@@ -105,6 +105,9 @@ class HFEngine:
         """Copy each tensor in, unless it already is this model's own (the default setup)."""
         copy_weights_(self.model, weights)
 
+    def sleep(self) -> None:
+        """Nothing to give back: the engine samples from the trainer's model or its own copy."""
+
     def close(self) -> None:
         """Nothing to release: the sampler is a plain module."""
 

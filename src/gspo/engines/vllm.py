@@ -63,6 +63,12 @@ INSTALL_HINT = ("rollout.engine=vllm needs vLLM: on a CPU machine `bash scripts/
 TESTED_VLLM = "0.32.0"
 
 
+SLEEP_ON_CPU = ("rollout.vllm_sleep=true gives vLLM's GPU memory to the update, and vLLM's sleep "
+                "mode is CUDA only: its CPU backend refuses enable_sleep_mode and its CPU worker's "
+                "sleep() does nothing; on the CPU set rollout.vllm_sleep=false (the engine's "
+                "memory there is the KV cache, VLLM_CPU_KVCACHE_SPACE GiB)")
+
+
 def vllm_available() -> bool:
     """Whether vLLM imports here (its CPU backend or its GPU build)."""
     try:
@@ -101,7 +107,8 @@ class VLLMEngine:
     def __init__(self, model, tokenizer, dtype: str = "bfloat16", seed: int = 0,
                  gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
                  enforce_eager: bool | None = None, cpu_kv_cache_gib: int = 1,
-                 record_routing: bool = False, tensor_parallel_size: int = 1):
+                 record_routing: bool = False, tensor_parallel_size: int = 1,
+                 sleep: bool = False):
         try:
             import vllm
         except ImportError as e:
@@ -121,6 +128,9 @@ class VLLMEngine:
                                "(the weights are pushed in-process); unset it")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         on_gpu = torch.cuda.is_available()
+        if sleep and not on_gpu:
+            raise ValueError(SLEEP_ON_CPU)
+        self._sleeps, self._asleep = sleep, False
         max_model_len = max_model_len or model.config.max_position_embeddings
         options = ({"gpu_memory_utilization": gpu_memory_utilization} if on_gpu
                    else cpu_scheduler_options(max_model_len))
@@ -134,6 +144,8 @@ class VLLMEngine:
         if record_routing and is_moe(model) and not on_gpu:
             log.warning("%s; Routing Replay replays pi_old's recomputed routing instead",
                         R3_ON_CPU)
+        if sleep:
+            options["enable_sleep_mode"] = True
         if self.returns_routing:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
             options["enable_return_routed_experts"] = True
@@ -174,6 +186,8 @@ class VLLMEngine:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload vLLM's weights in place from (name, tensor) pairs of the transformers model,
         turned into its checkpoint layout (fused MoE experts split per expert) on the way."""
+        if self._asleep:  # memory for the weights only: the KV cache comes after the push
+            self.llm.wake_up(tags=["weights"])
         if self._repack_moe:
             self.llm.collective_rpc(_forget_moe_kernels)
         self.llm.collective_rpc("reload_weights", kwargs={
@@ -181,6 +195,17 @@ class VLLMEngine:
                                  self._checkpoint_format(self._with_tied_head(weights))),
             "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        if self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep = False
+
+    def sleep(self) -> None:
+        """With `sleep=True` (GPU only): vLLM's sleep level 2, which discards its weights and
+        KV cache, giving their memory to the update; `load_weights` wakes it and rewrites every
+        weight (all of them: level 2 leaves the weights' memory uninitialised)."""
+        if self._sleeps and not self._asleep:
+            self.llm.sleep(level=2)
+            self._asleep = True
 
     def _with_tied_head(self, weights):
         """The pairs, with the output embedding added under its own name when it is tied to
@@ -201,6 +226,9 @@ class VLLMEngine:
         """n samples per prompt, prompt-major; response j of prompt i is seeded seed + n*i + j.
         With tensor parallelism the ranks of a TP group run one engine together: each gathers
         the group's prompts (and seeds), all sample the same batch, and each keeps its own."""
+        if self._asleep:
+            raise RuntimeError("the vLLM engine is asleep (its weights were discarded): push "
+                               "the policy's weights with load_weights before sampling")
         share = [(prompts, seed)]
         if self._tp > 1:
             import torch.distributed as dist
