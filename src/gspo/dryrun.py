@@ -30,7 +30,7 @@ from gspo import precision
 from gspo.config import Config, to_dict
 from gspo.data import encode_prompts, score
 from gspo.distributed import Dist, resolve_device
-from gspo.engines import engine_class
+from gspo.engines import engine_class, engine_settings
 from gspo.errors import ConfigError
 from gspo.rewards import close_reward
 from gspo.runlock import check_run_dir
@@ -120,8 +120,9 @@ def capacity_warning(cfg: Config, memory: dict) -> list[str]:
     from gspo.models import _available_bytes
     total = torch.cuda.get_device_properties(0).total_memory if cuda else _available_bytes()
     need = sum(memory.values())
-    if cuda and cfg.rollout.engine == "vllm":  # vLLM reserves its share, its weights inside
-        need += cfg.rollout.vllm_gpu_memory_utilization * total - memory["rollout_copy"]
+    share = engine_settings(cfg.rollout).gpu_share
+    if cuda and share:  # the engine reserves its share, its weights inside
+        need += share * total - memory["rollout_copy"]
     if total is None or need <= total:
         return []
     return [f"the estimate, {need / GIB:.1f} GiB per rank, exceeds the {total / GIB:.1f} GiB "
@@ -160,16 +161,14 @@ def prompt_lengths(rows: list[dict], tokenizer, cfg: Config) -> tuple[int, float
     return max(lengths), sum(lengths) / len(lengths), len(lengths)
 
 
-SLEEPS = "; given back during the update: rollout.vllm_sleep"
-
-
 def memory_estimate(model, cfg: Config, world: int, mode: str, prompt_max: int) -> dict:
     """Bytes per rank of what a run holds for the whole run: weights, gradients and AdamW's two
     moments (sharded over the ranks under FSDP; AdamW keeps them in the parameters' dtype:
     float32 but in bf16-true), the low-precision weights a mixed-precision forward holds
     (autocast's casts; FSDP2 gathers one layer at a time), the rollout engine's own full copy
-    (vLLM's split over its rollout.tensor_parallel_size ranks) and pi_ref's, and the hf engine's
-    KV cache for this rank's sequences at full length. Activations and logits come on top."""
+    (split over its tensor-parallel ranks) and pi_ref's, and the KV cache of an engine whose
+    cache grows with the batch, for this rank's sequences at full length (gspo.engines'
+    EngineSettings says which). Activations and logits come on top."""
     n = sum(p.numel() for p in model.parameters())
     prec = precision.get(cfg.train.precision)
     width = prec.param_dtype.itemsize
@@ -177,7 +176,8 @@ def memory_estimate(model, cfg: Config, world: int, mode: str, prompt_max: int) 
     roll_width = getattr(torch, roll_dtype).itemsize
     trainable = n if not cfg.model.lora_rank else lora_parameters(model, cfg)
     shard = world if mode == "fsdp" else 1
-    own_copy = (cfg.rollout.engine != "hf" or mode == "fsdp" or cfg.model.lora_rank > 0
+    engine = engine_settings(cfg.rollout)
+    own_copy = (engine.own_copy or mode == "fsdp" or cfg.model.lora_rank > 0
                 or getattr(torch, roll_dtype) != prec.param_dtype)
     c = model.config
     heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
@@ -189,9 +189,9 @@ def memory_estimate(model, cfg: Config, world: int, mode: str, prompt_max: int) 
             "adamw": 2 * trainable * width / shard,
             "compute_casts": n * prec.compute_dtype.itemsize if prec.mixed and mode != "fsdp"
             else 0,
-            "rollout_copy": n * roll_width / cfg.rollout.tensor_parallel_size if own_copy else 0,
+            "rollout_copy": n * roll_width / engine.shards if own_copy else 0,
             "reference": n * width if cfg.algorithm.beta > 0 else 0,
-            "kv_cache": kv if cfg.rollout.engine == "hf" else 0}
+            "kv_cache": kv if engine.kv_cache else 0}
 
 
 def lora_parameters(model, cfg: Config) -> int:
@@ -249,20 +249,19 @@ def print_report(cfg: Config, f: dict, model, tokenizer, sample: str, measured: 
         lines.append(f"  casts         {_size(m['compute_casts'])}  train.precision="
                      f"{cfg.train.precision}: autocast's copy of the weights during a forward")
     if m["rollout_copy"]:
-        tp = r.tensor_parallel_size
+        engine = engine_settings(r)
+        tp = engine.shards
         lines.append(f"  rollout copy  {_size(m['rollout_copy'])}  the {r.engine} "
                      f"engine's {'full ' if tp == 1 else ''}weights in "
                      f"{precision.rollout_dtype(cfg)}"
                      + (f", split over {tp} ranks (rollout.tensor_parallel_size)" if tp > 1
                         else "")
-                     + (f" (inside vLLM's {r.vllm_gpu_memory_utilization:g} of the GPU, with "
-                        f"its KV cache{SLEEPS if r.vllm_sleep else ''})"
-                        if r.engine == "vllm" else ""))
+                     + (f" ({engine.memory_note})" if engine.memory_note else ""))
     if m["reference"]:
         lines.append(f"  pi_ref copy   {_size(m['reference'])}  algorithm.beta > 0")
     if m["kv_cache"]:
         lines.append(f"  KV cache      {_size(m['kv_cache'])}  {seqs // world:,} "
-                     f"sequences x {per_seq:,} tokens, hf engine")
+                     f"sequences x {per_seq:,} tokens, {r.engine} engine")
     lines.append(f"  total         {_size(sum(m.values()))}")
     lines += [f"warning: {w}" for w in warnings]
     lines.append("dry run passed: the run can start as configured (nothing was written)")

@@ -51,8 +51,8 @@ from gspo.runrecord import check_resume, check_rows, make_record, write_record
 from gspo.signals import Interrupted, StopRequest
 from gspo.lora import (ADAPTER_DIR, LoraUnavailable, add_lora, is_lora, load_adapter,
                        merged_weights, save_adapter)
-from gspo.engines import (RolloutEngine, Rollouts, SamplingParams, engine_class, left_pad,
-                          make_engine, right_pad)
+from gspo.engines import (RolloutEngine, Rollouts, SamplingParams, engine_class,
+                          engine_settings, engines_with, left_pad, make_engine, right_pad)
 from gspo.models import build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer, load_model
 from gspo import metrics as M
 from gspo.metrics import WeightedMean
@@ -373,24 +373,16 @@ def fitting_prompts(rows: list[dict], what: str, model, tokenizer, cfg: Config) 
 
 
 def build_engine(model, tokenizer, cfg: Config, own_copy: bool = False) -> RolloutEngine:
-    """The rollout engine rollout.engine names (gspo.engines.ENGINES), from the model's weights."""
+    """The rollout engine rollout.engine names (gspo.engines.ENGINES), from the model's weights,
+    with the options the engine reads from cfg.rollout; `gspo train` and `gspo eval` both
+    build theirs here."""
     r = cfg.rollout
     try:
+        options = engine_settings(r, cfg.algorithm.routing_replay).options
         return make_engine(r.engine, model, tokenizer, dtype=precision.rollout_dtype(cfg),
-                           seed=cfg.train.seed,
-                           own_copy=own_copy,
-                           **engine_options(r, cfg.algorithm.routing_replay))
+                           seed=cfg.train.seed, own_copy=own_copy, **options)
     except (ImportError, RuntimeError, ValueError) as e:  # an engine that cannot start here
         raise TrainingError(f"rollout.engine={r.engine}: {e}") from e
-
-
-def engine_options(r, routing_replay: bool = False) -> dict:
-    """The engine-specific fields of a RolloutConfig, as keyword options of its factory."""
-    if r.engine != "vllm":
-        return {}
-    return {"gpu_memory_utilization": r.vllm_gpu_memory_utilization,
-            "record_routing": routing_replay, "tensor_parallel_size": r.tensor_parallel_size,
-            "sleep": r.vllm_sleep}
 
 
 def check_launch(cfg: Config, world: int, n_train_rows: int | None = None,
@@ -412,19 +404,22 @@ def check_launch(cfg: Config, world: int, n_train_rows: int | None = None,
     if world > 1 and cfg.model.lora_rank > 0:
         raise TrainingError("model.lora_rank > 0 runs in one process for now; launch without "
                             "torchrun, or train every weight (model.lora_rank=0)")
-    if r.tensor_parallel_size > 1 and (r.engine != "vllm" or world % r.tensor_parallel_size):
-        raise TrainingError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} needs "
-                            f"rollout.engine=vllm under torchrun with a multiple of that many "
-                            f"ranks per node (here: rollout.engine={r.engine}, {world} rank(s))")
     engine = engine_class(r.engine)
+    if r.tensor_parallel_size > 1 and (not engine.tensor_parallel
+                                       or world % r.tensor_parallel_size):
+        raise TrainingError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} needs "
+                            f"rollout.engine={engines_with('tensor_parallel')} under torchrun "
+                            f"with a multiple of that many ranks per node (here: "
+                            f"rollout.engine={r.engine}, {world} rank(s))")
     if world > 1 and engine.single_process:
         raise TrainingError(f"rollout.engine={r.engine} runs one engine in one process; under "
-                            f"torchrun use rollout.engine=hf")
+                            f"torchrun use rollout.engine={engines_with('single_process', False)}")
     if a.routing_replay and a.old_logprobs == "rollout" and not engine.records_routing:
         why = getattr(engine, "no_routing_reason", None)
         raise TrainingError(f"routing replay with old_logprobs=rollout needs an engine that "
                             f"records MoE routing; rollout.engine={r.engine} does not here"
-                            f"{f' ({why})' if why else ''}: use rollout.engine=hf or "
+                            f"{f' ({why})' if why else ''}: use rollout.engine="
+                            f"{engines_with('records_routing')} or "
                             f"algorithm.old_logprobs=recompute")
     source = cfg.data.path or "the training rows"
     if n_train_rows is not None and n_train_rows < r.prompts_per_step:
@@ -746,7 +741,7 @@ def rl_step(run: Run, step: int, stop: StopRequest | None = None) -> dict[str, f
     share = len(rows) // run.dist.world
     rows = rows[run.dist.rank * share:(run.dist.rank + 1) * share]
     rollouts = generate(run, rows, step)
-    run.engine.sleep()  # until the update's push (rollout.vllm_sleep)
+    run.engine.sleep()  # until the update's push (an engine that sleeps: EngineSettings)
     texts = decode_responses(run.tokenizer, rollouts)
     t_rollout = time.perf_counter() - t0
     if stop is not None and stop.requested(run.dist):

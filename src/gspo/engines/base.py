@@ -2,13 +2,14 @@
 
 - `SamplingParams`: how to sample; `Rollouts`: the padded batch every engine returns.
 - `RolloutEngine`: the Protocol (`generate`, `load_weights`, and the capability attributes).
+- `EngineSettings`: what an engine class makes of the run's rollout settings (its `settings`).
 - `left_pad` / `right_pad` / `to_rollouts`: per-row lists into padded tensors.
 - `stop_token_ids`: the one set of tokens that ends a response, for every engine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
 import torch
@@ -82,6 +83,32 @@ class Rollouts:
         return Rollouts(**moved, routing=routing)
 
 
+@dataclass(frozen=True)
+class EngineSettings:
+    """What an engine makes of the run's settings: the options of its `from_model`, and what
+    `gspo train --dry-run` counts of its memory. Each engine class reads its own config keys in
+    its `settings(rollout, routing_replay)`, so nothing outside gspo.engines reads them."""
+
+    options: dict = field(default_factory=dict)
+    """keyword options of its `from_model`"""
+    own_copy: bool = False
+    """whether it always holds its own copy of the weights (else only where the trainer's
+    cannot be shared: FSDP shards, LoRA, another dtype)"""
+    shards: int = 1
+    """the ranks its copy of the weights is split over (tensor parallelism)"""
+    kv_cache: bool = True
+    """whether its KV cache grows with the rank's sequences (the dry run counts it at full
+    length); False where it lives inside `gpu_share`"""
+    gpu_share: float = 0.0
+    """the fraction of a GPU's memory it reserves for itself on a GPU, its weights and KV cache
+    inside (0: it allocates as it goes)"""
+    sleeps: bool = False
+    """whether it gives back its memory from the end of sampling to the next `load_weights`
+    (`sleep`), so it cannot sample while the trainer updates"""
+    memory_note: str = ""
+    """what the dry run says of its memory beside its copy of the weights"""
+
+
 class RolloutEngine(Protocol):
     """Anything that samples responses to token-id prompts and can take new policy weights.
 
@@ -98,6 +125,15 @@ class RolloutEngine(Protocol):
     requires: str | None
     """The package it imports when it starts (None: nothing beyond gspo's own dependencies);
     `gspo train --dry-run` checks for it."""
+
+    tensor_parallel: bool
+    """Whether rollout.tensor_parallel_size > 1 can split one engine over several ranks."""
+
+    @classmethod
+    def settings(cls, rollout, routing_replay: bool = False) -> EngineSettings:
+        """Its options and memory profile from a RolloutConfig (the engine's own rollout.* keys)
+        and whether Routing Replay is on; ValueError for settings it cannot take."""
+        ...
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams, seed: int) -> Rollouts:
         """n samples per prompt, prompt-major; the same seed gives the same rollouts."""

@@ -18,7 +18,8 @@ from typing import Iterable
 import torch
 from transformers import DynamicCache
 
-from gspo.engines.base import Rollouts, SamplingParams, left_pad, stop_token_ids
+from gspo.engines.base import (EngineSettings, Rollouts, SamplingParams, left_pad,
+                               stop_token_ids)
 from gspo.engines.fast_decoder import FastDecoder
 from gspo.logprobs import cache_kwarg, position_ids_from_mask
 from gspo.weights import copy_weights_
@@ -79,6 +80,13 @@ class HFEngine:
     records_routing = True  # the sampler is a torch module: its routers can be hooked
     single_process = False
     requires = None
+    tensor_parallel = False
+
+    @classmethod
+    def settings(cls, rollout, routing_replay: bool = False) -> EngineSettings:
+        """No rollout.* settings of its own; it shares the trainer's weights where it can, and
+        its KV cache grows with the batch."""
+        return EngineSettings(own_copy=False, kv_cache=True)
 
     def __init__(self, model, eos_token_ids: list[int] | None = None, pad_token_id: int | None = None,
                  fast: bool = True):

@@ -49,7 +49,8 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from gspo.engines.base import Rollouts, SamplingParams, stop_token_ids, to_rollouts
+from gspo.engines.base import (EngineSettings, Rollouts, SamplingParams, stop_token_ids,
+                               to_rollouts)
 from gspo.moe import is_moe
 from gspo.weights import CheckpointFormat
 
@@ -103,6 +104,21 @@ class VLLMEngine:
     no_routing_reason = R3_ON_CPU
     single_process = False  # under torchrun: one engine per rank (TP groups within a node)
     requires = "vllm"
+    tensor_parallel = True
+
+    @classmethod
+    def settings(cls, rollout, routing_replay: bool = False) -> EngineSettings:
+        """rollout.vllm_gpu_memory_utilization, rollout.tensor_parallel_size, rollout.vllm_sleep,
+        and R3 with Routing Replay: vLLM holds its own copy, split over its TP ranks, inside
+        the share of the GPU it reserves with its KV cache."""
+        share, tp, sleep = (rollout.vllm_gpu_memory_utilization, rollout.tensor_parallel_size,
+                            rollout.vllm_sleep)
+        return EngineSettings(
+            options={"gpu_memory_utilization": share, "record_routing": routing_replay,
+                     "tensor_parallel_size": tp, "sleep": sleep},
+            own_copy=True, shards=tp, kv_cache=False, gpu_share=share, sleeps=sleep,
+            memory_note=f"inside vLLM's {share:g} of the GPU, with its KV cache"
+                        + ("; given back during the update: rollout.vllm_sleep" if sleep else ""))
 
     def __init__(self, model, tokenizer, dtype: str = "bfloat16", seed: int = 0,
                  gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
