@@ -111,10 +111,45 @@ def test_gspo_eval_writes_jsonl_and_prints_a_table(model_dir, tmp_path, capsys):
     assert "overall" in printed and "pass@4" in printed and str(out) in printed
 
 
+def test_gspo_eval_builds_the_models_gspo_train_builds(tmp_path):
+    out = tmp_path / "eval.jsonl"
+    assert cli_main(["eval", "--model", "tiny-qwen3-moe", "--data", str(DATA / "math_mini.jsonl"),
+                     "--task", "math", "--k", "2", "--max-new-tokens", "4", "--limit", "3",
+                     "--output", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert records[-1]["problems"] == 3 and all(len(r["completions"]) == 2 for r in records[:-1])
+
+
+def test_gspo_eval_passes_the_engines_settings_to_it(tmp_path, monkeypatch):
+    from gspo.engines import HFEngine, VLLMEngine
+
+    built = {}
+
+    def from_model(cls, model, tokenizer, *, dtype, seed, own_copy, **options):
+        built.update(model=type(model).__name__, dtype=dtype, seed=seed, own_copy=own_copy,
+                     **options)
+        return HFEngine.from_model(model, tokenizer, dtype=dtype, seed=seed)
+
+    monkeypatch.setattr(VLLMEngine, "from_model", classmethod(from_model))  # vLLM not needed
+    assert cli_main(["eval", "--model", "tiny-qwen3-moe", "--data", str(DATA / "math_mini.jsonl"),
+                     "--task", "math", "--k", "2", "--max-new-tokens", "2", "--limit", "2",
+                     "--engine", "vllm", "--dtype", "bfloat16", "--seed", "5",
+                     "rollout.vllm_gpu_memory_utilization=0.8", "rollout.vllm_sleep=true",
+                     "--output", str(tmp_path / "eval.jsonl")]) == 0
+    assert built == {"model": "Qwen3MoeForCausalLM", "dtype": "bfloat16", "seed": 5,
+                     "own_copy": False, "gpu_memory_utilization": 0.8, "record_routing": False,
+                     "tensor_parallel_size": 1, "sleep": True}
+
+
 @pytest.mark.parametrize("args, message", [
     (["--data", "/no/such.jsonl"], "data.path '/no/such.jsonl' not found"),
     (["--data", str(DATA / "gsm8k_mini.jsonl")], "row 1: field 'prompt' (prompt) is missing"),
-    (["--data", str(DATA / "math_mini.jsonl"), "rollout.group_size=2"], "data.* overrides only"),
+    (["--data", str(DATA / "math_mini.jsonl"), "train.steps=2"],
+     "data.* and rollout.* overrides only"),
+    (["--data", str(DATA / "math_mini.jsonl"), "rollout.temperature=0.5"],
+     "rollout.temperature=0.5 (set with --temperature)"),
+    (["--data", str(DATA / "math_mini.jsonl"), "--engine", "sglang"],
+     "rollout.engine must be one of hf | vllm, got 'sglang'"),
     # checked before the evaluation runs, so that its results are never lost
     (["--data", str(DATA / "math_mini.jsonl"), "--output", str(DATA)], "must name a file"),
     (["--data", str(DATA / "math_mini.jsonl"), "--output", "/no/such/dir/e.jsonl"],

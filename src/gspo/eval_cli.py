@@ -1,10 +1,12 @@
 """`gspo eval`: avg@K and pass@k of a model on a math or code data file.
 
     gspo eval --model PATH --data FILE --task math|code [--k K] [--output FILE.jsonl]
-              [data.prompt_field=question ...]
+              [--engine NAME] [data.prompt_field=question ...] [rollout.KEY=VALUE ...]
 
-K responses are sampled per problem with the rollout engine and scored with the task's reward
-(format bonus off: correctness only). Reported per problem and overall: avg@K, the mean reward
+The model and its rollout engine are built by the code `gspo train` builds them with
+(gspo.trainer.build_model and build_engine), from a config of the flags and the data.* and
+rollout.* overrides (the engine's own settings). K responses are sampled per problem with the
+engine and scored with the task's reward (format bonus off: correctness only). Reported per problem and overall: avg@K, the mean reward
 over all K samples (the paper's AIME'24 avg@32), and the unbiased pass@k estimator for k = 1,
 2, 4, ... up to K (a sample counts as correct when its reward is >= 1). The numbers come from
 gspo.evaluation.evaluate, the code the trainer's periodic evaluation runs. The JSONL holds one
@@ -22,10 +24,15 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from gspo.config import Config, DataConfig, load_config
+from gspo.distributed import resolve_device
+from gspo.engines import ENGINES, RolloutEngine, SamplingParams
+from gspo.errors import ConfigError
 from gspo.evaluation import EvalResult, evaluate, pass_at_k
-from gspo.engines import SamplingParams
-from gspo.rewards import close_reward
-from gspo.tasks import TASKS, file_tasks
+from gspo.rewards import RewardFn, close_reward
+from gspo.tasks import TASKS, build_reward, file_tasks
+from gspo.tasks.datasets import load_rows
+from gspo.trainer import build_engine, build_model
 
 TABLE_ROWS = 50  # problems printed; the JSONL always has them all
 
@@ -35,10 +42,14 @@ def _parser() -> argparse.ArgumentParser:
         prog="gspo eval", description="avg@K and pass@k of a model on a math or code data file.",
         epilog="data.* overrides map the file's fields and set the reward, as for gspo train "
                "(gspo train --help lists them): e.g. data.prompt_field=question "
-               "data.system_prompt='...' data.reward=my_module:my_reward")
+               "data.system_prompt='...' data.reward=my_module:my_reward; rollout.* overrides "
+               "set the engine's own settings; the model is built or loaded as gspo train "
+               "builds it (model.name_or_path: tiny-qwen3, tiny-qwen3-moe, a directory, a "
+               "hub id)")
     p.add_argument("--model", required=True,
-                   help="model directory or hub id (or 'tiny-qwen3', randomly initialised); a "
-                        "run directory (or its checkpoints/) means its latest checkpoint")
+                   help="model directory or hub id (or 'tiny-qwen3' / 'tiny-qwen3-moe', randomly "
+                        "initialised with --seed); a run directory (or its checkpoints/) means "
+                        "its latest checkpoint")
     p.add_argument("--data", required=True, help=".jsonl, .json, .parquet, .csv, a datasets "
                    "directory or a hub dataset id (with data.subset=..., data.split=...)")
     tasks = {name: TASKS[name] for name in file_tasks()}  # a synthetic task has no file
@@ -49,21 +60,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=1024, help="longest response")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (and a tiny "
+                   "model's initialisation, train.seed)")
     p.add_argument("--batch-size", type=int, default=16, help="problems per generate call "
                    "(each sampled K times)")
     p.add_argument("--limit", type=int, default=0, help="only the first N problems (0 = all)")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    p.add_argument("--engine", default="hf", help="rollout engine: hf | vllm (see gspo.engines)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16: the "
+                   "weights' and the sampler's (rollout.dtype)")
+    p.add_argument("--engine", default=None, help="rollout engine (rollout.engine, default "
+                   "as gspo train's): " + " | ".join(ENGINES) + "; its own settings are "
+                   "rollout.* overrides, e.g. rollout.vllm_gpu_memory_utilization=0.8")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    p.add_argument("overrides", nargs="*", metavar="data.key=value", help="data config overrides")
+    p.add_argument("overrides", nargs="*", metavar="data.key=value",
+                   help="data.* and rollout.* config overrides")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """`gspo eval`; user errors raise GspoError, which `gspo.cli.main` prints (exit 2)."""
-    from gspo.config import ConfigError
-
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     output = Path(args.output or f"eval-{args.task}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
     if output.is_dir() or not output.parent.is_dir():  # before the evaluation, not after it
@@ -74,15 +88,19 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    data_cfg, rows, reward_fn = load_eval_task(args.task, args.data, args.overrides,
-                                               args.limit)
-    engine, tokenizer = load_engine(args.model, args.dtype, args.device, args.engine,
-                                    args.seed)
+    cfg = eval_config(args.model, args.task, args.data, args.overrides, engine=args.engine,
+                      dtype=args.dtype, seed=args.seed, device=args.device)
+    rows, reward_fn = load_eval_task(cfg.data, args.limit)
+    try:
+        engine, tokenizer = load_engine(cfg)
+    except BaseException:
+        close_reward(reward_fn)
+        raise
     t0 = time.perf_counter()
     try:
         result = evaluate(engine, tokenizer, rows, reward_fn, args.k, params, args.seed,
                           batch_size=args.batch_size,
-                          system_prompt=data_cfg.system_prompt or None)
+                          system_prompt=cfg.data.system_prompt or None)
     finally:
         close_reward(reward_fn)
         engine.close()
@@ -94,40 +112,51 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def load_eval_task(task: str, data: str, overrides: Sequence[str], limit: int = 0):
-    """(DataConfig, every row of the file, reward with the format bonus off)."""
-    from gspo.config import ConfigError, load_config
-    from gspo.tasks import build_reward
-    from gspo.tasks.datasets import load_rows
+FLAGS = {"rollout.engine": "--engine", "rollout.dtype": "--dtype",
+         "rollout.temperature": "--temperature", "rollout.top_p": "--top-p",
+         "rollout.max_new_tokens": "--max-new-tokens"}
+"""The settings `gspo eval` takes as flags, not as overrides."""
 
-    bad = [o for o in overrides if not o.startswith("data.")]
+
+def eval_config(model: str, task: str, data: str, overrides: Sequence[str] = (), *,
+                engine: str | None = None, dtype: str = "float32", seed: int = 0,
+                device: str | None = None) -> Config:
+    """The config `gspo eval` builds its model, engine and reward from, as `gspo train` would:
+    model.name_or_path (a run directory meaning its latest checkpoint), data.task / data.path
+    and data.* overrides, rollout.engine / rollout.dtype / train.seed / train.device from the
+    flags, and rollout.* overrides (the engine's own settings)."""
+    bad = [o for o in overrides if not o.startswith(("data.", "rollout."))]
     if bad:
-        raise ConfigError(f"gspo eval takes data.* overrides only, got {' '.join(bad)}")
-    # json.dumps quotes the path, so YAML reads any path as a string
-    cfg = load_config(overrides=[f"data.task={task}", f"data.path={json.dumps(data)}",
-                                 *overrides])
-    d = dataclasses.replace(cfg.data, format_weight=0.0)
-    rows = load_rows(data, d)
-    return d, rows[:limit] if limit else rows, build_reward(d)
+        raise ConfigError(f"gspo eval takes data.* and rollout.* overrides only, got "
+                          f"{' '.join(bad)}")
+    flagged = [f"{o} (set with {FLAGS[key]})" for o in overrides
+               if (key := o.split("=", 1)[0].strip()) in FLAGS]
+    if flagged:
+        raise ConfigError(f"gspo eval takes these as flags: {', '.join(flagged)}")
+    # json.dumps quotes a path, so YAML reads any path as a string
+    flags = [f"model.name_or_path={json.dumps(model_dir(model))}", f"data.task={task}",
+             f"data.path={json.dumps(data)}", f"rollout.dtype={dtype}", f"train.seed={seed}"]
+    flags += [f"rollout.engine={engine}"] * (engine is not None)
+    flags += [f"train.device={json.dumps(device)}"] * (device is not None)
+    return load_config(overrides=[*flags, *overrides])
 
 
-def load_engine(model_path: str, dtype: str = "float32", device: str | None = None,
-                engine: str = "hf", seed: int = 0):
-    """(rollout engine `engine`, tokenizer) of a model directory, hub id or 'tiny-qwen3'."""
-    import torch
+def load_eval_task(d: DataConfig, limit: int = 0) -> tuple[list[dict], RewardFn]:
+    """(every row of data.path, or the first `limit`; the reward with the format bonus off)."""
+    d = dataclasses.replace(d, format_weight=0.0)
+    rows = load_rows(d.path, d)
+    return rows[:limit] if limit else rows, build_reward(d)
+
+
+def load_engine(cfg: Config) -> tuple[RolloutEngine, object]:
+    """(the rollout engine, the tokenizer) of cfg's model, built as `gspo train` builds them
+    (gspo.trainer.build_model, build_engine), for sampling only: on train.device, in
+    rollout.dtype."""
     import transformers
 
-    from gspo.engines import make_engine
-    from gspo.models import build_tiny_qwen3, build_tokenizer, load_model
-
     transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if model_path == "tiny-qwen3":
-        tokenizer = build_tokenizer()
-        model = build_tiny_qwen3(tokenizer).to(device)
-    else:
-        model, tokenizer = load_model(model_dir(model_path), dtype=dtype, device=device)
-    return make_engine(engine, model.eval(), tokenizer, dtype=dtype, seed=seed), tokenizer
+    model, tokenizer = build_model(cfg, resolve_device(cfg.train.device), training=False)
+    return build_engine(model.eval(), tokenizer, cfg), tokenizer
 
 
 def model_dir(path: str) -> str:
@@ -207,8 +236,3 @@ def format_table(records: list[dict], k: int, max_rows: int = TABLE_ROWS) -> str
                  + "  ".join(f"{100 * overall[m]:7.1f}%" for m in metrics)
                  + f"  {overall['problems']} problems")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    from gspo.cli import main as cli_main
-    sys.exit(cli_main(["eval", *sys.argv[1:]]))

@@ -81,11 +81,15 @@ class Summary:
 # set-up: model, task, optimiser
 
 
-def build_model(cfg: Config, device: torch.device | str = "cpu", weights: bool = True):
+def build_model(cfg: Config, device: torch.device | str = "cpu", weights: bool = True,
+                training: bool = True):
     """(model, tokenizer) of cfg.model. weights=False: a local or hub model is built on the meta
-    device from its config alone (gspo.models.load_model); the tiny ones are built anyway."""
+    device from its config alone (gspo.models.load_model); the tiny ones are built anyway.
+    training=False (`gspo eval`): the weights in the dtype the engine samples in
+    (rollout.dtype), and a local model need only fit for sampling, not for training."""
     m = cfg.model
-    dtype = precision.get(cfg.train.precision).param_dtype
+    dtype = (precision.get(cfg.train.precision).param_dtype if training
+             else getattr(torch, precision.rollout_dtype(cfg)))
     shape = dict(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
                  num_kv_heads=m.num_kv_heads, seed=cfg.train.seed)
     if m.name_or_path == "tiny-qwen3":
@@ -98,7 +102,8 @@ def build_model(cfg: Config, device: torch.device | str = "cpu", weights: bool =
                                      num_experts_per_tok=m.num_experts_per_tok, **shape)
     else:
         model, tokenizer = load_model(m.name_or_path, dtype=precision.dtype_name(dtype),
-                                      weights=weights, full_training=not m.lora_rank)
+                                      weights=weights,
+                                      full_training=training and not m.lora_rank)
         if not weights:
             return model, tokenizer  # on the meta device, in the weights' dtype
     return model.to(device=device, dtype=dtype), tokenizer
