@@ -2,6 +2,9 @@
 whatever the threads' timing, and the trainer's run against a sequential re-enactment."""
 
 import random
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -154,11 +157,13 @@ def test_an_async_run_equals_its_sequential_reenactment(tmp_path, tiny_overrides
 def test_a_resumed_async_run_loses_no_update(tmp_path, tiny_overrides):
     """In-flight rollouts are not saved: the first step after a resume samples from the
     weights it resumed with (staleness 0), and every step is there once."""
+    threads = torch.get_num_threads()
     run_async(tmp_path, tiny_overrides, "train.steps=2")
     rows = run_async(tmp_path, tiny_overrides, resume=True)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert [r[M.STALENESS] for r in rows[1:]] == [0, 1, 0, 1]
     assert threading.active_count() == 1  # the sampler threads ended with their runs
+    assert torch.get_num_threads() == threads  # and torch has its threads back
 
 
 @pytest.mark.parametrize("extra, why", [
@@ -185,3 +190,20 @@ def test_async_rollouts_under_torchrun(tmp_path, tiny_overrides, mode):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r[M.STALENESS] for r in rows[1:]] == [0, 1, 1]
     assert all(M.EVAL_ACCURACY in r for r in (rows[0], rows[2], rows[3]))
+
+
+def test_sigterm_stops_an_async_run_with_a_checkpoint_and_a_resume_goes_on(tmp_path):
+    from test_run_control import finish, start, steps_logged, wait_for
+    run = tmp_path / "run"
+    proc = start(run, "train.steps=100000", "rollout.max_staleness=2", "train.save_every=0")
+    wait_for(lambda: steps_logged(run) >= 2, proc=proc)
+    proc.send_signal(signal.SIGTERM)
+    code, err = finish(proc)
+    done = steps_logged(run)
+    assert code == 143 and f"gspo: stopped by SIGTERM after {done} of 100000 RL steps" in err
+    out = subprocess.run([sys.executable, "-m", "gspo", "train", "--resume", str(run),
+                          f"train.steps={done + 3}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [r for r in read_metrics(run) if r["step"] > 0]
+    assert [r["step"] for r in rows] == list(range(1, done + 4))
+    assert [r[M.STALENESS] for r in rows[done:]] == [0, 1, 2]  # the resumed run starts afresh

@@ -57,11 +57,12 @@ class AsyncSampler:
     def __init__(self, engine, staleness: int, start: int,
                  weights: Iterable[tuple[str, torch.Tensor]],
                  sample: Callable[[int], tuple[list[dict], Rollouts, list[str]]],
-                 score: Callable[[list[dict], list[str]], tuple[list[float], int, str | None]]):
+                 score: Callable[[list[dict], list[str]], tuple[list[float], int, str | None]],
+                 threads: int | None = None):
         if staleness < 1:
             raise ValueError(f"max_staleness={staleness}: the sampler runs ahead by 1 or more")
         self.engine, self.k, self.start = engine, staleness, start
-        self._sample, self._score = sample, score
+        self._sample, self._score, self._threads = sample, score, threads
         self._cond = threading.Condition()
         self._engine_lock = threading.Lock()  # the engine is the sampler's, or evaluation's
         # version -> its weights: `start`'s (the engine holds them too, until an evaluation
@@ -126,7 +127,7 @@ class AsyncSampler:
     def _produce(self) -> None:
         # OpenMP's thread count is per thread: a new one starts at the machine's default,
         # not torch's setting (vLLM's CPU attention checks that the two agree)
-        torch.set_num_threads(torch.get_num_threads())
+        torch.set_num_threads(self._threads or torch.get_num_threads())
         step = self.start
         try:
             while True:

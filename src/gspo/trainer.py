@@ -331,6 +331,7 @@ class Run:
     record: dict                             # what the run is (gspo.runrecord), saved with each
                                              # checkpoint
     sampler: AsyncSampler | None = None      # rollout.max_staleness >= 1
+    threads: int | None = None               # torch's threads before the sampler halved them
     warmup_s: float = 0.0
     reward_window: list = field(default_factory=list)  # (completions, failures) of recent steps
     constant_reward_steps: int = 0           # consecutive steps whose rewards were all equal
@@ -649,6 +650,8 @@ def close_run(run: Run) -> None:
     state), the reward's resources and the routing hooks."""
     if run.sampler is not None:
         run.sampler.close()
+    if run.threads is not None:
+        torch.set_num_threads(run.threads)
     run.engine.close()
     run.routing.close()
     close_reward(run.reward_fn)
@@ -794,15 +797,18 @@ def start_sampler(run: Run) -> None:
     threads share the cores: each computes with half of torch's threads."""
     if run.cfg.rollout.max_staleness == 0:
         return
-    if run.dist.device.type == "cpu":
-        threads = max(1, torch.get_num_threads() // 2)
-        log.info("asynchronous rollouts: sampler and trainer compute with %d thread(s) each",
-                 threads)
-        torch.set_num_threads(threads)
+    sampler_threads = run.cfg.rollout.sampler_threads or None
+    if run.dist.device.type == "cpu" and sampler_threads is None:
+        run.threads = torch.get_num_threads()
+        sampler_threads = max(1, run.threads // 2)
+        torch.set_num_threads(max(1, run.threads - sampler_threads))
+    log.info("asynchronous rollouts: the sampler computes with %s thread(s), the trainer with "
+             "%d", sampler_threads or torch.get_num_threads(), torch.get_num_threads())
     run.sampler = AsyncSampler(run.engine, run.cfg.rollout.max_staleness, run.start_step,
                                policy_weights(run.policy, run.model),
                                lambda step: sample(run, step),
-                               lambda rows, texts: score_texts(run, rows, texts))
+                               lambda rows, texts: score_texts(run, rows, texts),
+                               sampler_threads)
 
 
 def rl_step(run: Run, step: int, stop: StopRequest | None = None) -> dict[str, float] | None:
