@@ -88,6 +88,17 @@ def test_old_logprobs_benchmark_runs():
     assert "ratio rollout/recompute" in proc.stdout
 
 
+def test_async_rollouts_benchmark_prints_the_ratio_and_the_bound():
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "async_rollouts.py"), "--steps", "2",
+         "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
+         "model.intermediate_size=64", "rollout.prompts_per_step=2", "rollout.group_size=2",
+         "rollout.max_new_tokens=3", "data.n_train=50", "data.n_eval=4"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "steps/hour async / sync: " in proc.stdout and "the bound" in proc.stdout
+
+
 def test_profile_step_benchmark_splits_the_step_into_phases(tmp_path):
     res = run("profile_step.py", "--prompts", "2", "--group-size", "2", "--max-new-tokens", "3",
               "--num-layers", "1", "--minibatches", "2", "--steps", "1", *TINY, tmp_path=tmp_path)

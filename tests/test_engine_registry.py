@@ -48,8 +48,8 @@ def test_vllm_reads_its_keys_into_its_options_and_memory_profile():
     s = VLLMEngine.settings(cfg.rollout, routing_replay=True)  # builds nothing: no vLLM needed
     assert s.options == {"gpu_memory_utilization": 0.5, "record_routing": True,
                          "tensor_parallel_size": 2, "sleep": True}
-    assert (s.own_copy, s.shards, s.kv_cache, s.gpu_share, s.sleeps) == (True, 2, False, 0.5,
-                                                                          True)
+    assert (s.own_copy, s.shards, s.kv_cache, s.gpu_share, s.sleeps) == (
+        True, 2, False, 0.5, "rollout.vllm_sleep")
     assert HFEngine.settings(cfg.rollout) == EngineSettings(own_copy=False, kv_cache=True)
 
 

@@ -118,22 +118,26 @@ def deterministic(rows: list[dict]) -> list[dict]:
             for r in rows]
 
 
-def launch(run_dir) -> subprocess.Popen:
+def launch(run_dir, precision: str = "fp32") -> subprocess.Popen:
     """A fresh start while the directory holds no finished checkpoint, else --resume."""
     ckpts = run_dir / "checkpoints"
     resume = ckpts.is_dir() and any(p.name.startswith("step_") for p in ckpts.iterdir())
     where = ["--resume", str(run_dir)] if resume else ["--output-dir", str(run_dir)]
-    return subprocess.Popen([sys.executable, "-m", "gspo", "train", *where, *EXACT],
+    return subprocess.Popen([sys.executable, "-m", "gspo", "train", *where, *EXACT,
+                             f"train.precision={precision}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
 
-def test_killed_at_random_points_and_resumed_equals_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_killed_at_random_points_and_resumed_equals_an_uninterrupted_run(tmp_path, precision):
+    """Bit for bit, in float32 and in bf16-mixed (float32 master weights and AdamW state in the
+    checkpoint, bf16 matmuls recomputed the same way after a resume)."""
     import random
 
     from safetensors.torch import load_file
     ref = tmp_path / "ref"
-    code, err = finish(launch(ref))
+    code, err = finish(launch(ref, precision))
     assert code == 0, err[-2000:]
     run, rng = tmp_path / "run", random.Random(0)
     # each kill waits for a point of progress, then a random moment past it: start-up or the
@@ -146,7 +150,7 @@ def test_killed_at_random_points_and_resumed_equals_an_uninterrupted_run(tmp_pat
               lambda: saved() >= 4, lambda: steps_logged(run) >= 5]
     delays = [rng.uniform(3.0, 8.0)] + [rng.uniform(0.0, 1.0) for _ in points[1:]]
     for point, delay in zip(points, delays):
-        proc = launch(run)
+        proc = launch(run, precision)
         t0 = time.monotonic()
         while not point() and proc.poll() is None and time.monotonic() - t0 < 120:
             time.sleep(0.05)
@@ -155,12 +159,13 @@ def test_killed_at_random_points_and_resumed_equals_an_uninterrupted_run(tmp_pat
             break  # it finished first: nothing left to interrupt
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-    code, err = finish(launch(run))
+    code, err = finish(launch(run, precision))
     assert code == 0, err[-2000:]
     assert deterministic(read_metrics(run)) == deterministic(read_metrics(ref))
     want = load_file(ref / "checkpoints" / "step_000006" / "model.safetensors")
     got = load_file(run / "checkpoints" / "step_000006" / "model.safetensors")
     assert set(got) == set(want) and all(bool((got[k] == want[k]).all()) for k in want)
+    assert {str(t.dtype) for t in got.values()} == {"torch.float32"}  # the master weights
     leftovers = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
     assert leftovers == [], leftovers  # a killed save's temp files are cleaned by the next
 

@@ -273,6 +273,20 @@ def test_moe_policy_trains_on_vllm_and_samples_from_the_pushed_weights(tmp_path,
         assert 0 <= r["moe/volatility"] <= 1
 
 
+def test_async_rollouts_sample_with_vllm_in_the_samplers_thread(tmp_path):
+    """rollout.max_staleness=1 with vLLM: at staleness 0 its log-probs are the trainer's; at 1
+    they are one update old, which the mismatch then shows."""
+    run = tmp_path / "run"
+    train(load_config(overrides=VLLM_RUN + ["train.steps=3", "rollout.max_staleness=1",
+                                            "algorithm.old_logprobs=rollout",
+                                            "algorithm.mismatch_every=1"]), run,
+          reward_fn=lambda completion, **_: float(sum(map(ord, completion)) % 7))
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r[M.STALENESS] for r in rows] == [0, 1, 1]
+    assert rows[0][M.MISMATCH + "token_abs_max"] < 1e-4
+    assert all(r[M.MISMATCH + "token_abs_max"] > 1e-3 for r in rows[1:])
+
+
 def test_resumed_vllm_run_continues_exactly(tmp_path):
     """vLLM's sampling is a function of (weights, prompt, seed) on one machine and build, and a
     resumed engine is built from the checkpoint's float32 weights, so step 2 after a resume

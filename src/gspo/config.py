@@ -178,6 +178,14 @@ class RolloutConfig:
     dtype: str = _f("auto", "precision the rollout engine samples in: 'auto' = the dtype "
                     "train.precision computes in (float32 for fp32, bfloat16 for bf16-mixed)",
                     choices=("auto", "float32", "bfloat16", "float16"))
+    max_staleness: int = _f(0, "asynchronous rollouts: the engine samples the next step's "
+                            "rollouts in a background thread while the trainer updates, from "
+                            "weights at most this many updates old (rollout/staleness); 0 = "
+                            "sample, then update (synchronous)", ge=0)
+    sampler_threads: int = _f(0, "max_staleness >= 1 on the CPU: torch threads of the sampler's "
+                              "thread; 0 = half of torch's, the trainer keeping the other half; "
+                              "n = n, the trainer keeping all of torch's (oversubscribed where "
+                              "the two exceed the cores)", ge=0)
     tensor_parallel_size: int = _f(1, "vllm only: GPUs (ranks of one node) that share one vLLM "
                                    "engine under torchrun; 1 = one engine per rank", ge=1)
     vllm_sleep: bool = _f(False, "vllm only, GPU only: vLLM discards its weights and KV cache "

@@ -33,6 +33,9 @@ TIME_ROLLOUT = "time/rollout_s"
 TIME_OLD_LOGP = "time/old_logp_s"
 TIME_UPDATE = "time/update_s"          # the optimiser steps and the rollout engine's weight sync
 TOKENS_PER_S = "throughput/tokens_per_s"
+STALENESS = "rollout/staleness"        # updates between the sampling weights and the trainer's
+TIME_SAMPLE = "time/sample_s"          # rollout.max_staleness >= 1: sampling, in its own thread
+                                       # (time/rollout_s is then the trainer's wait for it)
 MISMATCH = "mismatch/"                 # prefix: trainer vs rollout-engine log-probs
 MOE = "moe/"                           # prefix: router load and expert volatility
 

@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 import transformers
 
+from gspo.async_rollouts import AsyncSampler
 from gspo.checkpoint import (latest_checkpoint, load_checkpoint, read_reference,
                              read_training_state, save_checkpoint)
 from gspo import precision
@@ -334,6 +335,8 @@ class Run:
     state: dict                              # its training state (step, accuracies, RNG)
     record: dict                             # what the run is (gspo.runrecord), saved with each
                                              # checkpoint
+    sampler: AsyncSampler | None = None      # rollout.max_staleness >= 1
+    threads: int | None = None               # torch's threads before the sampler halved them
     warmup_s: float = 0.0
     reward_window: list = field(default_factory=list)  # (completions, failures) of recent steps
     constant_reward_steps: int = 0           # consecutive steps whose rewards were all equal
@@ -416,6 +419,8 @@ def check_launch(cfg: Config, world: int, n_train_rows: int | None = None,
                             f"rollout.engine={engines_with('tensor_parallel')} under torchrun "
                             f"with a multiple of that many ranks per node (here: "
                             f"rollout.engine={r.engine}, {world} rank(s))")
+    if r.max_staleness:
+        check_async(cfg, world)
     if world > 1 and engine.single_process:
         raise TrainingError(f"rollout.engine={r.engine} runs one engine in one process; under "
                             f"torchrun use rollout.engine={engines_with('single_process', False)}")
@@ -442,6 +447,23 @@ def check_launch(cfg: Config, world: int, n_train_rows: int | None = None,
         raise TrainingError(f"the warm-up batch ({warm_batch} = min(warmup.batch_size, training "
                             f"rows)) must be divisible by the {world} ranks (each scores its "
                             f"share of the batch)")
+
+
+def check_async(cfg: Config, world: int) -> None:
+    """What asynchronous rollouts (rollout.max_staleness >= 1) do not run with yet."""
+    r, why = cfg.rollout, None
+    if cfg.algorithm.routing_replay:
+        why = ("algorithm.routing_replay (pi_old's routing would be recorded on one version "
+               "and replayed on another)")
+    elif engine_settings(r).sleeps:
+        why = f"{engine_settings(r).sleeps} (the engine samples while the trainer updates)"
+    elif r.tensor_parallel_size > 1:
+        why = "rollout.tensor_parallel_size > 1 (its collectives would run in the sampler's thread)"
+    elif world > 1 and engine_class(r.engine).requires is not None:
+        why = f"rollout.engine={r.engine} under torchrun (not tested yet)"
+    if why:
+        raise TrainingError(f"rollout.max_staleness={r.max_staleness} does not run with {why}; "
+                            f"set rollout.max_staleness=0")
 
 
 def run_dir_checkpoint(cfg: Config, run_dir: Path, resume: bool, verify: bool = True,
@@ -505,7 +527,9 @@ def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train
     compute_dtype = prec.compute_dtype if prec.mixed else None
     # copies while the weights are whole (FSDP2 shards them in place); refreshed after warm-up
     # LoRA: the engine holds a plain copy, refreshed with the merged weights
-    engine = build_engine(model, tokenizer, cfg, own_copy=mode == "fsdp" or lora)
+    # rollout.max_staleness >= 1: the sampler's thread samples while the trainer updates
+    engine = build_engine(model, tokenizer, cfg, own_copy=mode == "fsdp" or lora
+                          or cfg.rollout.max_staleness > 0)
     try:  # from here on a failure closes the engine (a vLLM engine holds process-wide state)
         ref_policy = Policy(copy.deepcopy(model).eval(), compute_dtype) if a.beta > 0 else None
         if lora:  # after pi_ref's copy: the reference is the plain base model
@@ -614,6 +638,7 @@ def prepare(cfg: Config, run_dir: Path, resume: bool, **objects) -> Run:
     try:
         run_warmup(run)
         save_run_config(run)
+        start_sampler(run)
     except BaseException:
         close_run(run)
         raise
@@ -623,6 +648,10 @@ def prepare(cfg: Config, run_dir: Path, resume: bool, **objects) -> Run:
 def close_run(run: Run) -> None:
     """Release what the run holds outside Python's reach: the engine (vLLM's process-wide
     state), the reward's resources and the routing hooks."""
+    if run.sampler is not None:
+        run.sampler.close()
+    if run.threads is not None:
+        torch.set_num_threads(run.threads)
     run.engine.close()
     run.routing.close()
     close_reward(run.reward_fn)
@@ -648,11 +677,9 @@ def run_eval(run: Run, stop: StopRequest | None = None) -> dict[str, float] | No
     no collective), then the ranks agree."""
     t, r, d = run.cfg.train, run.cfg.rollout, run.dist
     rows = run.eval_rows[d.rank::d.world]
-    res = evaluate(run.engine, run.tokenizer, rows, run.reward_fn, t.eval_k,
-                   SamplingParams(t.eval_temperature, r.top_p, r.max_new_tokens),
-                   seed=t.seed + 999_983 + d.rank, system_prompt=run.cfg.data.system_prompt or None,
-                   reward_timeout_s=run.cfg.data.reward_fn_timeout or None,
-                   should_stop=None if stop is None else lambda: stop.signum is not None)
+    with (run.sampler.borrow(policy_weights(run.policy, run.model)) if run.sampler
+          else contextlib.nullcontext(run.engine)) as engine:
+        res = _evaluate(run, engine, rows, stop)
     if stop is not None and stop.requested(d):
         return None
     m = WeightedMean()  # means over problems
@@ -660,6 +687,16 @@ def run_eval(run: Run, stop: StopRequest | None = None) -> dict[str, float] | No
     for k, v in sorted(res.pass_at.items()):
         m.add(M.eval_pass_at(k), v, len(rows))
     return m.result(d)
+
+
+def _evaluate(run: Run, engine: RolloutEngine, rows: list[dict], stop: StopRequest | None):
+    t, r, d = run.cfg.train, run.cfg.rollout, run.dist
+    return evaluate(engine, run.tokenizer, rows, run.reward_fn, t.eval_k,
+                    SamplingParams(t.eval_temperature, r.top_p, r.max_new_tokens),
+                    seed=t.seed + 999_983 + d.rank,
+                    system_prompt=run.cfg.data.system_prompt or None,
+                    reward_timeout_s=run.cfg.data.reward_fn_timeout or None,
+                    should_stop=None if stop is None else lambda: stop.signum is not None)
 
 
 def generate(run: Run, rows: list[dict], step: int) -> Rollouts:
@@ -736,25 +773,67 @@ def warn_constant_reward(run: Run, r_std: float, step: int) -> None:
                     step - CONSTANT_REWARD_STEPS + 2, step + 1)
 
 
-def rl_step(run: Run, step: int, stop: StopRequest | None = None) -> dict[str, float] | None:
-    """One RL step: rollout -> rewards -> advantages -> pi_old -> minibatch updates. None when
-    `stop` was requested during the rollout (the step is abandoned before any update)."""
-    cfg, t0 = run.cfg, time.perf_counter()
-    G = cfg.rollout.group_size
-    # ---- rollout (this rank's share of the step's prompts)
-    rows = step_prompts(run.train_rows, step, cfg.rollout.prompts_per_step, cfg.train.seed)
+def sample(run: Run, step: int) -> tuple[list[dict], Rollouts, list[str]]:
+    """This rank's share of step `step`'s prompts, G responses to each, decoded (no
+    collectives: with rollout.max_staleness >= 1 it runs in the sampler's thread)."""
+    r = run.cfg.rollout
+    rows = step_prompts(run.train_rows, step, r.prompts_per_step, run.cfg.train.seed)
     share = len(rows) // run.dist.world
     rows = rows[run.dist.rank * share:(run.dist.rank + 1) * share]
     rollouts = generate(run, rows, step)
-    run.engine.sleep()  # until the update's push (an engine that sleeps: EngineSettings)
-    texts = decode_responses(run.tokenizer, rollouts)
-    t_rollout = time.perf_counter() - t0
-    if stop is not None and stop.requested(run.dist):
-        return None
-    # ---- rewards and group advantages
-    rewards, reward_failures, first_error = score(
-        run.reward_fn, texts, [row for row in rows for _ in range(G)],
-        timeout=cfg.data.reward_fn_timeout or None)
+    return rows, rollouts, decode_responses(run.tokenizer, rollouts)
+
+
+def score_texts(run: Run, rows: list[dict], texts: list[str]):
+    """(rewards, failed calls, the first failure) of the decoded responses to `rows`."""
+    G = run.cfg.rollout.group_size
+    return score(run.reward_fn, texts, [row for row in rows for _ in range(G)],
+                 timeout=run.cfg.data.reward_fn_timeout or None)
+
+
+def start_sampler(run: Run) -> None:
+    """rollout.max_staleness >= 1: the background sampler (gspo.async_rollouts), from the
+    engine's weights, which are the policy's (version run.start_step). On the CPU the two
+    threads share the cores: each computes with half of torch's threads."""
+    if run.cfg.rollout.max_staleness == 0:
+        return
+    sampler_threads = run.cfg.rollout.sampler_threads or None
+    if run.dist.device.type == "cpu" and sampler_threads is None:
+        run.threads = torch.get_num_threads()
+        sampler_threads = max(1, run.threads // 2)
+        torch.set_num_threads(max(1, run.threads - sampler_threads))
+    log.info("asynchronous rollouts: the sampler computes with %s thread(s), the trainer with "
+             "%d", sampler_threads or torch.get_num_threads(), torch.get_num_threads())
+    run.sampler = AsyncSampler(run.engine, run.cfg.rollout.max_staleness, run.start_step,
+                               policy_weights(run.policy, run.model),
+                               lambda step: sample(run, step),
+                               lambda rows, texts: score_texts(run, rows, texts),
+                               sampler_threads)
+
+
+def rl_step(run: Run, step: int, stop: StopRequest | None = None) -> dict[str, float] | None:
+    """One RL step: rollout -> rewards -> advantages -> pi_old -> minibatch updates. None when
+    `stop` was requested during the rollout (the step is abandoned before any update). With
+    rollout.max_staleness >= 1 the rollout and its rewards come from the sampler's thread."""
+    cfg, t0 = run.cfg, time.perf_counter()
+    G = cfg.rollout.group_size
+    # ---- rollout (this rank's share of the step's prompts) and its rewards
+    if run.sampler is None:
+        rows, rollouts, texts = sample(run, step)
+        run.engine.sleep()  # until the update's push (an engine that sleeps: EngineSettings)
+        t_rollout, lag = time.perf_counter() - t0, {}
+        if stop is not None and stop.requested(run.dist):
+            return None
+        rewards, reward_failures, first_error = score_texts(run, rows, texts)
+    else:
+        batch = run.sampler.take(step)
+        t_rollout = time.perf_counter() - t0  # the wait for it
+        if stop is not None and stop.requested(run.dist):
+            return None
+        rows, rollouts, rewards = batch.rows, batch.rollouts, batch.rewards
+        reward_failures, first_error = batch.reward_failures, batch.first_error
+        lag = {M.STALENESS: step - batch.version, M.TIME_SAMPLE: batch.rollout_s}
+    # ---- group advantages
     n, failures = check_reward_failures(run, step, len(rewards), reward_failures, first_error)
     rewards = torch.tensor(rewards, device=run.dist.device)  # (B,)
     adv = group_advantages(rewards, G, cfg.algorithm.advantage_scale)
@@ -771,7 +850,10 @@ def rl_step(run: Run, step: int, stop: StopRequest | None = None) -> dict[str, f
     # ---- minibatch updates
     t2 = time.perf_counter()
     m = update(run, rollouts, old_logp, ref_logp, adv)
-    run.engine.load_weights(policy_weights(run.policy, run.model))
+    if run.sampler is None:
+        run.engine.load_weights(policy_weights(run.policy, run.model))
+    else:  # version step + 1, for the batch of step + 1 + max_staleness
+        run.sampler.publish(step + 1, policy_weights(run.policy, run.model))
     t_update = time.perf_counter() - t2
     m.update(run.routing.step_metrics(
         lambda route: policy_logprobs(run.policy, rollouts, cfg.rollout.temperature, run.micro,
@@ -789,7 +871,7 @@ def rl_step(run: Run, step: int, stop: StopRequest | None = None) -> dict[str, f
     r_mean, r_sq, n_tokens = row[M.REWARD_MEAN], row.pop("squares"), row.pop("tokens")
     row[M.REWARD_STD] = math.sqrt(max(0.0, (r_sq - n * r_mean ** 2) / max(1.0, n - 1)))
     warn_constant_reward(run, row[M.REWARD_STD], step)
-    row.update(m, **mismatch)
+    row.update(m, **mismatch, **lag)
     row.update({M.REWARD_FAILURES: int(failures), M.LR: run.scheduler.get_last_lr()[0],
                 M.TIME_ROLLOUT: t_rollout, M.TIME_OLD_LOGP: t_old, M.TIME_UPDATE: t_update,
                 M.TOKENS_PER_S: n_tokens / (time.perf_counter() - t0)})
@@ -828,6 +910,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, *, reward_fn=N
             # ---- supervised warm-up (a new run)
             run_warmup(run, stop)
             save_run_config(run)
+            start_sampler(run)
             # ---- RL steps
             with MetricsLogger(run.run_dir, enabled=run.dist.is_main,
                                resume_from_step=run.start_step if resume else None,

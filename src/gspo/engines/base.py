@@ -102,9 +102,10 @@ class EngineSettings:
     gpu_share: float = 0.0
     """the fraction of a GPU's memory it reserves for itself on a GPU, its weights and KV cache
     inside (0: it allocates as it goes)"""
-    sleeps: bool = False
-    """whether it gives back its memory from the end of sampling to the next `load_weights`
-    (`sleep`), so it cannot sample while the trainer updates"""
+    sleeps: str = ""
+    """where it gives back its memory from the end of sampling to the next `load_weights`
+    (`sleep`), so that it cannot sample while the trainer updates: the setting that makes it
+    (for messages); "" where it never sleeps"""
     memory_note: str = ""
     """what the dry run says of its memory beside its copy of the weights"""
 

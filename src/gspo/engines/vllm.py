@@ -116,7 +116,8 @@ class VLLMEngine:
         return EngineSettings(
             options={"gpu_memory_utilization": share, "record_routing": routing_replay,
                      "tensor_parallel_size": tp, "sleep": sleep},
-            own_copy=True, shards=tp, kv_cache=False, gpu_share=share, sleeps=sleep,
+            own_copy=True, shards=tp, kv_cache=False, gpu_share=share,
+            sleeps="rollout.vllm_sleep" if sleep else "",
             memory_note=f"inside vLLM's {share:g} of the GPU, with its KV cache"
                         + ("; given back during the update: rollout.vllm_sleep" if sleep else ""))
 

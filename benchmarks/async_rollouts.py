@@ -1,0 +1,81 @@
+"""Steps per hour with asynchronous rollouts (rollout.max_staleness=k) vs the synchronous step,
+side by side in one process.
+
+    .venv/bin/python benchmarks/async_rollouts.py [--steps 6] [--repeats 1] [--staleness 1]
+        [--config FILE] [key.sub=value ...]
+
+Both modes run the same config (same model, prompts, seeds), alternating sync / async, so both
+see the same machine load; the first step of each is a warm-up and is not timed. The
+synchronous step computes with all of torch's threads; the asynchronous one gives half to the
+sampler's thread and half to the trainer's. Prints seconds per step, steps per hour, the ratio,
+and the bound for the split used: max(sampling, the trainer's own work) per step, from the
+asynchronous rows (time/sample_s; the step's time less its wait for the batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from gspo import metrics as M
+from gspo.config import load_config
+from gspo.trainer import close_run, prepare, rl_step
+
+BASE = ["warmup.steps=0", "train.eval_every=0", "train.save_every=0", "train.progress=false",
+        "train.tensorboard=false"]
+
+
+def time_mode(staleness: int, steps: int, config: str | None, overrides: list[str]) -> dict:
+    cfg = load_config(config, BASE + overrides + [f"rollout.max_staleness={staleness}"])
+    with tempfile.TemporaryDirectory() as d:
+        run = prepare(cfg, Path(d), resume=False)
+        try:
+            rl_step(run, 0)  # warm-up step: allocator, thread pools, the sampler's first batch
+            rows, t0 = [], time.perf_counter()
+            for step in range(1, steps + 1):
+                rows.append(rl_step(run, step))
+            wall = (time.perf_counter() - t0) / steps
+        finally:
+            close_run(run)
+    mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in rows)  # noqa: E731
+    own = statistics.fmean(r[M.TIME_OLD_LOGP] + r[M.TIME_UPDATE] for r in rows)
+    return {"s_per_step": wall, "sample_s": mean(M.TIME_SAMPLE) or mean(M.TIME_ROLLOUT),
+            "wait_s": mean(M.TIME_ROLLOUT), "trainer_s": own,
+            "reward": mean(M.REWARD_MEAN)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--staleness", type=int, default=1)
+    p.add_argument("--config")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    modes = {"sync": 0, f"async k={args.staleness}": args.staleness}
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for _ in range(args.repeats):
+        for name, k in modes.items():
+            runs[name].append(time_mode(k, args.steps, args.config, args.overrides))
+    print(f"{'mode':<12} {'s/step':>8} {'steps/h':>8} {'sample s':>9} {'trainer s':>10} "
+          f"{'wait s':>7}")
+    mean = {}
+    for name, rs in runs.items():
+        m = {k: statistics.fmean(r[k] for r in rs) for k in rs[0]}
+        mean[name] = m
+        print(f"{name:<12} {m['s_per_step']:8.2f} {3600 / m['s_per_step']:8.0f} "
+              f"{m['sample_s']:9.2f} {m['trainer_s']:10.2f} {m['wait_s']:7.2f}")
+    sync, asyn = mean["sync"], mean[f"async k={args.staleness}"]
+    bound = max(asyn["sample_s"], asyn["s_per_step"] - asyn["wait_s"])
+    print(f"steps/hour async / sync: {sync['s_per_step'] / asyn['s_per_step']:.3f}x; "
+          f"async step {asyn['s_per_step']:.2f} s vs its bound max(sampling, trainer) "
+          f"{bound:.2f} s ({asyn['s_per_step'] / bound:.2f}x the bound)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

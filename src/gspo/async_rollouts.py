@@ -1,0 +1,166 @@
+"""Asynchronous rollouts (`rollout.max_staleness` = k >= 1): the engine samples the next steps'
+rollouts in a background thread while the trainer updates, as verl's one-step-off-policy trainer
+and TRL's AsyncGRPOTrainer do.
+
+Weight versions: version v is the policy after v updates (the trainer works on step v with
+version v). Step m's rollouts are sampled from version max(s, m - k), s the step the run
+started or resumed at: exactly that version, never a newer one, so a run is the same whatever
+the two threads' timing (`rollout/staleness` = m - that version). The trainer publishes each
+version after its update as a snapshot (a detached copy of every weight, taken in the trainer's
+thread, where a sharded model's gather is a collective of all ranks); the sampler loads a
+snapshot into the engine's own copy of the weights before the batch that needs it, and drops
+the snapshots no batch will need.
+
+What the sampler thread does: the rollout and the rewards (the producer); what stays in the
+trainer's thread: every collective, pi_old, the updates, evaluation (`borrow` pauses the sampler
+and gives the engine the current weights), checkpoints. In-flight rollouts are not saved: a
+resumed run samples its first step from the weights it resumed with (staleness 0), so a resume
+loses no update but is not bit-identical to an uninterrupted asynchronous run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from gspo.engines import Rollouts
+
+WAIT_POLL_S = 0.5  # how often a waiting thread re-checks that the other is alive
+
+
+@dataclass
+class Batch:
+    """One step's share of rollouts, decoded and scored (what the producer hands over)."""
+    rows: list[dict]
+    rollouts: Rollouts
+    texts: list[str]
+    rewards: list[float]
+    reward_failures: int
+    first_error: str | None
+    version: int            # the weight version the rollouts were sampled from
+    rollout_s: float        # sampling (and decoding) time, in the sampler's thread
+    reward_s: float
+
+
+class AsyncSampler:
+    """Samples step m's batch from weight version max(start, m - k) in a background thread.
+
+    sample(step) -> (rows, rollouts, texts): runs in the sampler's thread (no collectives);
+    score(rows, texts) -> (rewards, failures, first_error): likewise, after sample.
+    """
+
+    def __init__(self, engine, staleness: int, start: int,
+                 weights: Iterable[tuple[str, torch.Tensor]],
+                 sample: Callable[[int], tuple[list[dict], Rollouts, list[str]]],
+                 score: Callable[[list[dict], list[str]], tuple[list[float], int, str | None]],
+                 threads: int | None = None):
+        if staleness < 1:
+            raise ValueError(f"max_staleness={staleness}: the sampler runs ahead by 1 or more")
+        self.engine, self.k, self.start = engine, staleness, start
+        self._sample, self._score, self._threads = sample, score, threads
+        self._cond = threading.Condition()
+        self._engine_lock = threading.Lock()  # the engine is the sampler's, or evaluation's
+        # version -> its weights: `start`'s (the engine holds them too, until an evaluation
+        # borrows it) and each published one, until no batch left needs it
+        self._snapshots = {start: _snapshot(weights)}
+        self._published = start
+        self._engine_version: int | None = start
+        self._batches: dict[int, Batch] = {}
+        self._error: BaseException | None = None
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def version_for(self, step: int) -> int:
+        return max(self.start, step - self.k)
+
+    # ---- the trainer's side
+
+    def take(self, step: int) -> Batch:
+        """Step `step`'s batch, waiting for it (the sampler starts on the first call)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._produce, name="gspo-sampler",
+                                            daemon=True)
+            self._thread.start()
+        with self._cond:
+            while step not in self._batches:
+                if self._error is not None:
+                    raise self._error
+                if not self._thread.is_alive():
+                    raise RuntimeError("the rollout sampler thread ended without a batch")
+                self._cond.wait(WAIT_POLL_S)
+            return self._batches.pop(step)
+
+    def publish(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Version `version` of the policy (after `version` updates), copied now: the trainer
+        goes on changing its weights in place."""
+        snapshot = _snapshot(weights)
+        with self._cond:
+            self._snapshots[version] = snapshot
+            self._published = version
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def borrow(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        """The engine with these weights (the trainer's current ones) for the duration, the
+        sampler paused after its current batch; the sampler reloads its version afterwards."""
+        with self._engine_lock:
+            self.engine.load_weights(weights)
+            self._engine_version = None
+            yield self.engine
+
+    def close(self, timeout: float = 600.0) -> None:
+        """Stop after the current batch (waited for up to `timeout` s: the engine is closed
+        next, and must not be sampling)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the sampler's side
+
+    def _produce(self) -> None:
+        # OpenMP's thread count is per thread: a new one starts at the machine's default,
+        # not torch's setting (vLLM's CPU attention checks that the two agree)
+        torch.set_num_threads(self._threads or torch.get_num_threads())
+        step = self.start
+        try:
+            while True:
+                version = self.version_for(step)
+                with self._cond:
+                    while self._published < version and not self._closing:
+                        self._cond.wait(WAIT_POLL_S)
+                    if self._closing:
+                        return
+                    snapshot = self._snapshots[version]
+                with self._engine_lock:
+                    if self._engine_version != version:
+                        self.engine.load_weights(snapshot)
+                        self._engine_version = version
+                    t0 = time.perf_counter()
+                    rows, rollouts, texts = self._sample(step)
+                    rollout_s = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                rewards, failures, first = self._score(rows, texts)
+                batch = Batch(rows, rollouts, texts, rewards, failures, first, version,
+                              rollout_s, time.perf_counter() - t1)
+                with self._cond:
+                    self._batches[step] = batch
+                    # versions no batch from step + 1 on will be sampled from
+                    for v in [v for v in self._snapshots if v < self.version_for(step + 1)]:
+                        del self._snapshots[v]
+                    self._cond.notify_all()
+                step += 1
+        except BaseException as e:  # handed to the trainer's next take
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+
+def _snapshot(weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    return [(name, t.detach().clone()) for name, t in weights]

@@ -1,0 +1,209 @@
+"""Asynchronous rollouts (rollout.max_staleness): which weights each batch is sampled from,
+whatever the threads' timing, and the trainer's run against a sequential re-enactment."""
+
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import gspo.trainer as trainer
+from gspo import metrics as M
+from gspo.async_rollouts import AsyncSampler
+from gspo.config import load_config
+from gspo.errors import TrainingError
+from gspo.logger import read_metrics
+
+
+class VersionEngine:
+    """Holds one weight, `w`; a batch records the value it was sampled with."""
+
+    def __init__(self, value: float):
+        self.w = torch.tensor(value)
+        self.loads = 0
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            self.w.copy_(t)
+        self.loads += 1
+
+
+def make_sampler(engine, k, start, published, delays, fail_at=None):
+    def sample(step):
+        time.sleep(delays.uniform(0, 0.01))
+        seen = (float(engine.w), published[0])  # the weight, and the trainer's newest version
+        return [{"step": step}], seen, [f"{step}"]
+
+    def score(rows, texts):
+        if fail_at is not None and rows[0]["step"] == fail_at:
+            raise KeyError("answr")
+        return [1.0], 0, None
+    return AsyncSampler(engine, k, start, [("w", torch.tensor(float(start)))], sample, score)
+
+
+@pytest.mark.parametrize("k,start", [(1, 0), (2, 0), (3, 5)])
+def test_each_batch_is_sampled_from_exactly_version_step_minus_k(k, start):
+    """The trainer's weight after v updates is v; batch m must be sampled with weight
+    max(start, m - k), never later than k batches ahead of the trainer, whatever the delays."""
+    rng = random.Random(k)
+    w = torch.tensor(float(start))  # the trainer's weight, changed in place
+    engine, published = VersionEngine(start), [start]
+    sampler = make_sampler(engine, k, start, published, random.Random(k + 1))
+    try:
+        for step in range(start, start + 8):
+            batch = sampler.take(step)
+            value, newest = batch.rollouts
+            assert value == max(start, step - k) == batch.version
+            assert step - newest <= k  # sampled no more than k updates ahead
+            time.sleep(rng.uniform(0, 0.01))  # the update
+            w.add_(1.0)
+            sampler.publish(step + 1, [("w", w)])
+            published[0] = step + 1
+            w.add_(100.0)  # the trainer goes on changing its weight in place: a copy was kept
+            w.sub_(100.0)
+    finally:
+        sampler.close()
+    assert not sampler._thread.is_alive()
+    assert len(sampler._snapshots) <= k + 1  # versions no batch needs are dropped
+
+
+def test_a_failure_in_the_sampler_reaches_the_trainer():
+    engine, published = VersionEngine(0), [0]
+    sampler = make_sampler(engine, 1, 0, published, random.Random(0), fail_at=1)
+    try:
+        sampler.take(0)
+        sampler.publish(1, [("w", torch.tensor(1.0))])
+        with pytest.raises(KeyError, match="answr"):
+            sampler.take(1)
+    finally:
+        sampler.close()
+
+
+def test_evaluation_borrows_the_engine_with_the_current_weights():
+    engine, published = VersionEngine(0), [0]
+    sampler = make_sampler(engine, 1, 0, published, random.Random(0))
+    try:
+        sampler.take(0)
+        with sampler.borrow([("w", torch.tensor(7.0))]) as borrowed:
+            assert borrowed is engine and float(engine.w) == 7.0
+        sampler.publish(1, [("w", torch.tensor(1.0))])
+        assert sampler.take(1).rollouts[0] == 0.0  # back to version 0 after the evaluation
+        sampler.publish(2, [("w", torch.tensor(2.0))])
+        assert sampler.take(2).rollouts[0] == 1.0
+    finally:
+        sampler.close()
+
+
+ASYNC = ["train.eval_every=2", "train.steps=4", "warmup.steps=10"]
+
+
+def varied(completion, **_):
+    """A reward that varies within groups from the start, so every update moves the weights."""
+    return float(sum(map(ord, completion)) % 7)
+
+
+def run_async(tmp_path, tiny_overrides, *extra, resume=False):
+    trainer.train(load_config(overrides=tiny_overrides + ASYNC + ["rollout.max_staleness=1",
+                                                                  *extra]), tmp_path,
+                  resume=resume, reward_fn=varied)
+    return read_metrics(tmp_path)
+
+
+def same(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
+            for r in rows]
+
+
+def test_an_async_run_equals_its_sequential_reenactment(tmp_path, tiny_overrides):
+    """max_staleness=1 against the synchronous step driven by hand, the engine loaded with
+    the weights of one update earlier before each step: the same rows, bit for bit; and a
+    second asynchronous run gives the same (the threads' timing does not matter)."""
+    threads = torch.get_num_threads()
+    try:
+        rows = run_async(tmp_path / "a", tiny_overrides)
+        assert same(run_async(tmp_path / "b", tiny_overrides)) == same(rows)
+        # the reference: one thread's worth of compute as each async thread had
+        torch.set_num_threads(max(1, threads // 2))
+        cfg = load_config(overrides=tiny_overrides + ASYNC)
+        run = trainer.prepare(cfg, tmp_path / "ref", resume=False, reward_fn=varied)
+        try:
+            run.engine = trainer.build_engine(run.model, run.tokenizer, cfg, own_copy=True)
+            first = trainer.run_eval(run)
+            weights = [[(n, t.detach().clone()) for n, t in run.model.state_dict().items()]]
+            ref = []
+            for step in range(4):
+                run.engine.load_weights(weights[max(0, step - 1)])
+                row = trainer.rl_step(run, step)
+                weights.append([(n, t.detach().clone())
+                                for n, t in run.model.state_dict().items()])
+                if (step + 1) % 2 == 0:
+                    row.update(trainer.run_eval(run))
+                ref.append(row)
+        finally:
+            trainer.close_run(run)
+    finally:
+        torch.set_num_threads(threads)
+    assert rows[0] == {"step": 0, **first}
+    assert [r[M.STALENESS] for r in rows[1:]] == [0, 1, 1, 1]
+    got = [{k: v for k, v in r.items() if k not in ("step", M.STALENESS)} for r in rows[1:]]
+    assert same(got) == same(ref)
+    assert not torch.equal(weights[0][0][1], weights[1][0][1])  # the updates moved weights
+
+
+def test_a_resumed_async_run_loses_no_update(tmp_path, tiny_overrides):
+    """In-flight rollouts are not saved: the first step after a resume samples from the
+    weights it resumed with (staleness 0), and every step is there once."""
+    threads = torch.get_num_threads()
+    run_async(tmp_path, tiny_overrides, "train.steps=2")
+    rows = run_async(tmp_path, tiny_overrides, resume=True)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r[M.STALENESS] for r in rows[1:]] == [0, 1, 0, 1]
+    assert threading.active_count() == 1  # the sampler threads ended with their runs
+    assert torch.get_num_threads() == threads  # and torch has its threads back
+
+
+@pytest.mark.parametrize("extra, why", [
+    (["algorithm.routing_replay=true"], "algorithm.routing_replay"),
+    (["rollout.engine=vllm", "rollout.vllm_sleep=true"], "rollout.vllm_sleep"),
+])
+def test_what_async_does_not_run_with_is_refused(extra, why, tiny_overrides):
+    cfg = load_config(overrides=tiny_overrides + ["rollout.max_staleness=1", *extra])
+    with pytest.raises(TrainingError, match=f"rollout.max_staleness=1 does not run with {why}"):
+        trainer.check_launch(cfg, world=1)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_async_rollouts_under_torchrun(tmp_path, tiny_overrides, mode):
+    """Each rank's sampler thread samples its share; every collective (the weights' gather for
+    a snapshot, evaluation's reduction) stays in the trainers' threads."""
+    from test_distributed import launch
+    overrides = [o for o in tiny_overrides + ASYNC if not o.startswith("train.steps")]
+    out = launch(2, "-m", "gspo", "train", "--output-dir", str(tmp_path), *overrides,
+                 "train.steps=3", "rollout.max_staleness=1", f"train.data_parallel={mode}",
+                 timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r[M.STALENESS] for r in rows[1:]] == [0, 1, 1]
+    assert all(M.EVAL_ACCURACY in r for r in (rows[0], rows[2], rows[3]))
+
+
+def test_sigterm_stops_an_async_run_with_a_checkpoint_and_a_resume_goes_on(tmp_path):
+    from test_run_control import finish, start, steps_logged, wait_for
+    run = tmp_path / "run"
+    proc = start(run, "train.steps=100000", "rollout.max_staleness=2", "train.save_every=0")
+    wait_for(lambda: steps_logged(run) >= 2, proc=proc)
+    proc.send_signal(signal.SIGTERM)
+    code, err = finish(proc)
+    done = steps_logged(run)
+    assert code == 143 and f"gspo: stopped by SIGTERM after {done} of 100000 RL steps" in err
+    out = subprocess.run([sys.executable, "-m", "gspo", "train", "--resume", str(run),
+                          f"train.steps={done + 3}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [r for r in read_metrics(run) if r["step"] > 0]
+    assert [r["step"] for r in rows] == list(range(1, done + 4))
+    assert [r[M.STALENESS] for r in rows[done:]] == [0, 1, 2]  # the resumed run starts afresh
