@@ -20,6 +20,7 @@ from gspo.cli import main
 from gspo.runlock import exclusive
 from gspo.trainer import train
 from gspo.config import load_config
+from gspo.logger import read_metrics
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
 USER = Path(__file__).with_name("user_rewards.py")
@@ -432,13 +433,44 @@ def _tear_a_middle_line(path: Path) -> None:  # a torn write, then more rows
 ])
 def test_a_damaged_metrics_file_is_repaired_from_the_checkpoint(tmp_path, caplog, finished_run,
                                                                 damage, says):
-    from gspo.logger import read_metrics
     run, _ = copied(finished_run, tmp_path)
     rows = read_metrics(run)
     damage(run / "metrics.jsonl")
     assert main(["train", "--resume", str(run), "train.steps=3"]) == 0
     assert says in caplog.text
     assert read_metrics(run)[:3] == rows and [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
+
+
+def _without_metrics_copies(run: Path) -> None:  # checkpoints from before they held one
+    for copy in (run / "checkpoints").glob("step_*/metrics.jsonl"):
+        copy.unlink()
+        manifest = json.loads((copy.parent / "manifest.json").read_text())
+        del manifest["files"]["metrics.jsonl"]
+        (copy.parent / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_torn_metrics_line_nothing_can_restore_is_one_error(tmp_path, capsys, finished_run):
+    run, _ = copied(finished_run, tmp_path)
+    metrics = run / "metrics.jsonl"
+    _tear_a_middle_line(metrics)
+    torn = f"gspo: error: {metrics}:2: not a metrics row (a torn or edited line)"
+    assert fails_cleanly(capsys, "plot", str(run), says=torn) == (
+        f"{torn}; delete or fix that line, or copy back "
+        f"{run / 'checkpoints' / 'step_000002' / 'metrics.jsonl'}, the latest checkpoint's copy "
+        f"of the rows up to its step")
+    _without_metrics_copies(run)
+    before = snapshot(run)
+    for dry in ([], ["--dry-run"]):  # the resume would drop the row: refused, the file kept
+        assert fails_cleanly(capsys, "train", *dry, "--resume", str(run), "train.steps=3",
+                             says=torn) == (
+            f"{torn}, and the checkpoint of step 2 holds no copy of the file to restore it "
+            f"from; delete or fix that line, then resume again")
+    assert snapshot(run) == before
+    assert fails_cleanly(capsys, "plot", str(run), says=torn) == f"{torn}; delete or fix that line"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join(lines[:1] + lines[2:]))
+    assert main(["train", "--resume", str(run), "train.steps=3"]) == 0  # the line deleted
+    assert [r["step"] for r in read_metrics(run)] == [0, 2, 3]
 
 
 def test_a_run_directory_in_use(tmp_path, capsys, finished_run):

@@ -44,7 +44,7 @@ from gspo.distributed import (Dist, Policy, as_local, broadcast_weights, checkpo
                                load_optimizer_state, no_sync, wrap_policy)
 from gspo.errors import TrainingError
 from gspo.evaluation import decode_responses, evaluate
-from gspo.logger import METRICS_FILE, MetricsLogger
+from gspo.logger import METRICS_FILE, MetricsLogger, check_resumable
 from gspo.rewards import RewardFn, close_reward
 from gspo.runlock import exclusive
 from gspo.runrecord import check_resume, check_rows, make_record, write_record
@@ -447,8 +447,9 @@ def check_launch(cfg: Config, world: int, n_train_rows: int | None = None,
 def run_dir_checkpoint(cfg: Config, run_dir: Path, resume: bool, verify: bool = True,
                        **objects) -> tuple[Path | None, dict | None]:
     """(the checkpoint a resume starts from, its run record; None, None for a new run), after
-    refusing a new run in a directory that holds checkpoints and a resume that changes what the
-    run was (gspo.runrecord.check_resume). verify: check the checkpoint's files against its
+    refusing a new run in a directory that holds checkpoints, a resume that changes what the
+    run was (gspo.runrecord.check_resume) and one that would lose a metrics row
+    (gspo.logger.check_resumable). verify: check the checkpoint's files against its
     manifest (reads them all). objects: reward_fn, train_data, eval_data as for `train`."""
     if not resume and latest_checkpoint(run_dir) is not None:
         raise TrainingError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
@@ -458,7 +459,10 @@ def run_dir_checkpoint(cfg: Config, run_dir: Path, resume: bool, verify: bool = 
     ckpt = latest_checkpoint(run_dir, verify=verify)
     if ckpt is None:
         raise TrainingError(f"--resume {run_dir}: no finished checkpoint found there")
-    return ckpt, check_resume(cfg, run_dir, ckpt, **objects)
+    record = check_resume(cfg, run_dir, ckpt, **objects)
+    check_resumable(run_dir / METRICS_FILE, int(ckpt.name.rsplit("_", 1)[1]),
+                    ckpt / METRICS_FILE)  # on every rank, though rank 0 alone writes it
+    return ckpt, record
 
 
 def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train_data=None,
