@@ -237,6 +237,15 @@ def test_a_code_sandbox_that_cannot_run_programs(tmp_path, capsys):
 @pytest.mark.parametrize("args, says", [
     (["model.hidden_size=64"], "cannot change model.hidden_size=64 (trained with 32)"),
     (["algorithm=grpo"], "cannot change algorithm.name=grpo (trained with gspo)"),
+    # what the reward or the objective is, beyond the reward's name and the rows
+    (["data.reward_mode=fraction"], "cannot change data.reward_mode=fraction (trained with "
+                                    "all): start a new run with --output-dir for that"),
+    (["data.format_weight=0.5"], "cannot change data.format_weight=0.5 (trained with 0.0)"),
+    (["algorithm.advantage_scale=none"], "cannot change algorithm.advantage_scale=none "
+                                         "(trained with group)"),
+    (["data.system_prompt=Be brief."], "cannot change data.system_prompt=Be brief. (trained "
+                                       "with '')"),
+    (["model.lora_rank=4"], "cannot change model.lora_rank=4 (trained with 0)"),
     (["--output-dir", "elsewhere"], "drop --output-dir"),
     (["train.steps=oops"], "train.steps"),
 ])
@@ -332,6 +341,16 @@ def test_a_resume_on_other_data_or_another_reward_is_refused(tmp_path, capsys, f
     finally:
         shutil.copy(DATA / "math_mini.jsonl", file_run[1])
     assert snapshot(run) == before
+
+
+def test_what_only_tunes_the_run_or_means_nothing_in_it_may_change(finished_run):
+    from gspo.runrecord import check_resume
+    ckpt = finished_run / "checkpoints" / "step_000002"
+    for change in (["optim.lr=1e-5", "algorithm.eps_high=5e-4", "algorithm.beta=0",
+                    "data.reward_timeout=9", "train.precision=bf16-mixed"],
+                   ["model.lora_alpha=8"]):  # LoRA's scale, in a run without LoRA
+        cfg = load_config(overrides=QUICK + ["train.steps=3"] + change)
+        assert check_resume(cfg, finished_run, ckpt)["reward"] == "arithmetic"
 
 
 def test_fewer_steps_than_done_is_refused(tmp_path, capsys, finished_run):
