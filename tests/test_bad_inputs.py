@@ -214,11 +214,22 @@ def test_parquet_or_a_hub_dataset_without_the_data_extra(tmp_path, capsys, monke
     ("/no/such/file.py:f", "not found"),
     (f"{USER}:exits", "SystemExit"),
     (f"{USER}:absurd", "1e+30"),
-    (f"{USER}:text", "the reward returned the text '1', not a number"),
+    (f"{USER}:text", f"gspo: error: the reward {USER}:text failed on 4 of 4 completions of the "
+                     f"first RL step (first error: TypeError: the reward text returned the text "
+                     f"'1', not a number; return a float)"),
 ])
 def test_a_reward_that_cannot_score(tmp_path, capsys, reward, says):
     fails_cleanly(capsys, "train", "--output-dir", str(tmp_path / "r"), *QUICK,
                   f"data.reward={reward}", says=says)
+
+
+def test_a_reward_that_returns_text_fails_the_dry_run_naming_it(tmp_path, capsys):
+    fails_cleanly(capsys, "train", "--dry-run", "--output-dir", str(tmp_path / "r"), *QUICK,
+                  f"data.reward={USER}:text",
+                  says="gspo: error: the reward text failed on a sample answer (a worked "
+                       "solution) to the first training row: TypeError: the reward text returned "
+                       "the text '1', not a number; return a float")
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_reward_that_never_returns_times_out(tmp_path, capsys):

@@ -724,7 +724,8 @@ def check_reward_failures(run: Run, step: int, n: int, failures: int, first: str
     first_step = step == run.start_step and failures == n > 0
     if limit < 1 and (first_step or (len(window) == REWARD_WINDOW and failed > limit * seen)):
         where = "of the first RL step" if first_step else f"of the last {REWARD_WINDOW} RL steps"
-        raise TrainingError(f"the reward failed on {int(failed)} of {int(seen)} completions "
+        raise TrainingError(f"the reward {run.record['reward']} failed on {int(failed)} of "
+                            f"{int(seen)} completions "
                             f"{where} (first error: {first or 'on another rank'}); fix the "
                             f"reward function, or raise data.max_reward_failures (now {limit:g})")
     return n, failures

@@ -25,6 +25,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from gspo.data import as_reward, reward_name
 from gspo.errors import ConfigError
 from gspo.rewards import RewardFn, close_reward, load_reward
 from gspo.tasks import arithmetic, code, math
@@ -170,9 +171,9 @@ def user_reward(reward_fn, d) -> RewardFn:
         return fns[0]
 
     def summed(completion: str, **fields) -> float:
-        return sum(float(f(completion, **fields)) for f in fns)
+        return sum(as_reward(f(completion, **fields), f) for f in fns)
 
-    summed.__name__ = "+".join(getattr(f, "__name__", "reward") for f in fns)
+    summed.__name__ = "+".join(reward_name(f) for f in fns)
     summed.close = lambda: close_reward(fns)  # so that closing the sum closes each part
     return summed
 
