@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[cmd]()(rest)
     except GspoError as e:  # the one exit path of every user-fixable error
+        if getattr(e, "rank0_says_it", False) and int(os.environ.get("RANK", "0")) != 0:
+            return e.exit_code  # the same line as rank 0's: printed once
         print(f"gspo: error: {e}" if e.exit_code == USAGE_ERROR else f"gspo: {e}", file=sys.stderr)
         return e.exit_code
 

@@ -48,7 +48,7 @@ from gspo.logger import METRICS_FILE, MetricsLogger, check_resumable
 from gspo.rewards import RewardFn, close_reward
 from gspo.runlock import exclusive
 from gspo.runrecord import check_resume, check_rows, make_record, write_record
-from gspo.signals import Interrupted, StopRequest
+from gspo.signals import Interrupted, StopRequest, under_torchrun
 from gspo.lora import (ADAPTER_DIR, LoraUnavailable, add_lora, is_lora, load_adapter,
                        merged_weights, save_adapter)
 from gspo.engines import (RolloutEngine, Rollouts, SamplingParams, engine_class, left_pad,
@@ -892,9 +892,14 @@ def _stopped(run: Run, stop: StopRequest, when: str, step: int) -> None:
     """Raise Interrupted saying where the run stopped and how to resume (checkpoint saved)."""
     run.dist.barrier()
     signum, name = stop.name(run.dist)
+    # torchrun re-raises a signal it got as its own SignalException traceback, after ours
+    # (torch.distributed.run has no way to keep it quiet): say that it is not a failure
+    torchrun = (f" (every rank stopped cleanly: a SignalException traceback from torchrun "
+                f"after this line only reports the {name} it got and passed on)"
+                if under_torchrun() else "")
     raise Interrupted(f"stopped by {name} {when}; checkpoint "
-                      f"{run.run_dir / 'checkpoints' / f'step_{step:06d}'} holds it; continue "
-                      f"with: gspo train --resume {run.run_dir}", signum)
+                      f"{run.run_dir / 'checkpoints' / f'step_{step:06d}'} holds it{torchrun}; "
+                      f"continue with: gspo train --resume {run.run_dir}", signum)
 
 
 def rl_loop(run: Run, resume: bool, logger: MetricsLogger,
