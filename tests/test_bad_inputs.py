@@ -55,7 +55,7 @@ def fails_cleanly(capsys, *argv: str, says: str) -> str:
     assert code != 0, f"exit 0 for {argv}"
     assert "Traceback" not in err
     last = err.splitlines()[-1] if err else ""
-    assert last.startswith(("gspo: error:", "gspo plot: error:", "gspo eval: error:")), err[-2000:]
+    assert last.startswith("gspo: error:"), err[-2000:]
     assert says in last, f"{says!r} not in {last!r}"
     return last
 
@@ -89,6 +89,24 @@ def test_a_bad_override(tmp_path, capsys, override, says):
     fails_cleanly(capsys, "train", "--output-dir", str(tmp_path / "r"), *QUICK, override,
                   says=says)
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_the_error_line_is_one_write_so_that_ranks_cannot_run_their_lines_together(
+        monkeypatch):
+    writes = []  # under torchrun every rank writes to the same stderr
+
+    class Stderr:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    assert main(["train", "train.stesp=3"]) == 2
+    said = [w for w in writes if "gspo" in w]
+    assert len(said) == 1 and said[0].startswith("gspo: error: unknown config key 'train.stesp'")
+    assert said[0].endswith("\n") and said[0].count("\n") == 1
 
 
 def test_a_missing_or_broken_config_file(tmp_path, capsys):
