@@ -16,10 +16,10 @@ can be deleted or edited between a stop and a resume. So every checkpoint carrie
 A resume (and `gspo train --dry-run --resume`) compares itself with the checkpoint it starts
 from and refuses, in one line naming the field and how to start a new run instead:
 a change of FROZEN (the model's shape, the objective, where the data come from, the reward's
-settings), a different
-reward, different rows (a changed data file, data.n_eval, data.prompt_template, ...), and
-train.steps below the steps already done. A checkpoint written before run.json existed is
-checked against config.yaml; with neither, the resume needs --config to say what the run was.
+settings), a different reward, different rows (a changed data file, data.n_eval,
+data.prompt_template, ...), and train.steps below the steps already done. A checkpoint
+written before run.json existed is checked against config.yaml; with neither, the resume needs
+--config to say what the run was.
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ def saved_config(run_dir: Path, record: dict | None, overrides: list[str] = ()) 
 
 
 def _get(c: Config | dict, key: str) -> Any:
-    """The value of `key` in a config, or in a saved one (a dict, where a field a gspo before it
-    existed did not save reads as its default, which is what that gspo trained with)."""
+    """The value of `key` in a config, or in a saved one (a dict: a field that an older gspo
+    did not save reads as its default, which is what that gspo trained with)."""
     section, name = key.split(".")
     if isinstance(c, dict):
         if name not in c.get(section, {}):
