@@ -16,6 +16,8 @@ import torch
 from gspo import metrics as M
 from gspo.distributed import Dist
 from gspo.logger import read_metrics
+from test_bad_inputs import (QUICK, USER, _tear_a_middle_line, _without_metrics_copies,
+                             finished_run, snapshot)  # noqa: F401  (finished_run: a fixture)
 
 WORKER = Path(__file__).with_name("dist_update_worker.py")
 MODEL = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
@@ -331,9 +333,6 @@ def test_sigterm_under_torchrun_checkpoints_on_every_rank_and_says_how_to_resume
 # ---- the bad-input catalogue (tests/test_bad_inputs.py) under torchrun: every rank stops with
 # the same whole `gspo: error:` line (torchrun's ChildFailedError report follows it: torchrun's
 # design, see the README) and no traceback from gspo; the run is left as it was
-
-from test_bad_inputs import (QUICK, USER, _tear_a_middle_line, _without_metrics_copies,  # noqa: E402
-                             finished_run, snapshot)  # noqa: F401  (finished_run: a fixture)
 
 
 def fails_cleanly_on_two_ranks(*args: str, says: str) -> None:
