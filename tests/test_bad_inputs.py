@@ -20,6 +20,7 @@ from gspo.cli import main
 from gspo.runlock import exclusive
 from gspo.trainer import train
 from gspo.config import load_config
+from gspo.logger import read_metrics
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
 USER = Path(__file__).with_name("user_rewards.py")
@@ -54,7 +55,7 @@ def fails_cleanly(capsys, *argv: str, says: str) -> str:
     assert code != 0, f"exit 0 for {argv}"
     assert "Traceback" not in err
     last = err.splitlines()[-1] if err else ""
-    assert last.startswith(("gspo: error:", "gspo plot: error:", "gspo eval: error:")), err[-2000:]
+    assert last.startswith("gspo: error:"), err[-2000:]
     assert says in last, f"{says!r} not in {last!r}"
     return last
 
@@ -88,6 +89,24 @@ def test_a_bad_override(tmp_path, capsys, override, says):
     fails_cleanly(capsys, "train", "--output-dir", str(tmp_path / "r"), *QUICK, override,
                   says=says)
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_the_error_line_is_one_write_so_that_ranks_cannot_run_their_lines_together(
+        monkeypatch):
+    writes = []  # under torchrun every rank writes to the same stderr
+
+    class Stderr:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    assert main(["train", "train.stesp=3"]) == 2
+    said = [w for w in writes if "gspo" in w]
+    assert len(said) == 1 and said[0].startswith("gspo: error: unknown config key 'train.stesp'")
+    assert said[0].endswith("\n") and said[0].count("\n") == 1
 
 
 def test_a_missing_or_broken_config_file(tmp_path, capsys):
@@ -213,11 +232,22 @@ def test_parquet_or_a_hub_dataset_without_the_data_extra(tmp_path, capsys, monke
     ("/no/such/file.py:f", "not found"),
     (f"{USER}:exits", "SystemExit"),
     (f"{USER}:absurd", "1e+30"),
-    (f"{USER}:text", "the reward returned the text '1', not a number"),
+    (f"{USER}:text", f"gspo: error: the reward {USER}:text failed on 4 of 4 completions of the "
+                     f"first RL step (first error: TypeError: the reward text returned the text "
+                     f"'1', not a number; return a float)"),
 ])
 def test_a_reward_that_cannot_score(tmp_path, capsys, reward, says):
     fails_cleanly(capsys, "train", "--output-dir", str(tmp_path / "r"), *QUICK,
                   f"data.reward={reward}", says=says)
+
+
+def test_a_reward_that_returns_text_fails_the_dry_run_naming_it(tmp_path, capsys):
+    fails_cleanly(capsys, "train", "--dry-run", "--output-dir", str(tmp_path / "r"), *QUICK,
+                  f"data.reward={USER}:text",
+                  says="gspo: error: the reward text failed on a sample answer (a worked "
+                       "solution) to the first training row: TypeError: the reward text returned "
+                       "the text '1', not a number; return a float")
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_reward_that_never_returns_times_out(tmp_path, capsys):
@@ -236,6 +266,15 @@ def test_a_code_sandbox_that_cannot_run_programs(tmp_path, capsys):
 @pytest.mark.parametrize("args, says", [
     (["model.hidden_size=64"], "cannot change model.hidden_size=64 (trained with 32)"),
     (["algorithm=grpo"], "cannot change algorithm.name=grpo (trained with gspo)"),
+    # what the reward or the objective is, beyond the reward's name and the rows
+    (["data.reward_mode=fraction"], "cannot change data.reward_mode=fraction (trained with "
+                                    "all): start a new run with --output-dir for that"),
+    (["data.format_weight=0.5"], "cannot change data.format_weight=0.5 (trained with 0.0)"),
+    (["algorithm.advantage_scale=none"], "cannot change algorithm.advantage_scale=none "
+                                         "(trained with group)"),
+    (["data.system_prompt=Be brief."], "cannot change data.system_prompt=Be brief. (trained "
+                                       "with '')"),
+    (["model.lora_rank=4"], "cannot change model.lora_rank=4 (trained with 0)"),
     (["--output-dir", "elsewhere"], "drop --output-dir"),
     (["train.steps=oops"], "train.steps"),
 ])
@@ -331,6 +370,16 @@ def test_a_resume_on_other_data_or_another_reward_is_refused(tmp_path, capsys, f
     finally:
         shutil.copy(DATA / "math_mini.jsonl", file_run[1])
     assert snapshot(run) == before
+
+
+def test_what_only_tunes_the_run_or_means_nothing_in_it_may_change(finished_run):
+    from gspo.runrecord import check_resume
+    ckpt = finished_run / "checkpoints" / "step_000002"
+    for change in (["optim.lr=1e-5", "algorithm.eps_high=5e-4", "algorithm.beta=0",
+                    "data.reward_timeout=9", "train.precision=bf16-mixed"],
+                   ["model.lora_alpha=8"]):  # LoRA's scale, in a run without LoRA
+        cfg = load_config(overrides=QUICK + ["train.steps=3"] + change)
+        assert check_resume(cfg, finished_run, ckpt)["reward"] == "arithmetic"
 
 
 def test_fewer_steps_than_done_is_refused(tmp_path, capsys, finished_run):
@@ -432,13 +481,44 @@ def _tear_a_middle_line(path: Path) -> None:  # a torn write, then more rows
 ])
 def test_a_damaged_metrics_file_is_repaired_from_the_checkpoint(tmp_path, caplog, finished_run,
                                                                 damage, says):
-    from gspo.logger import read_metrics
     run, _ = copied(finished_run, tmp_path)
     rows = read_metrics(run)
     damage(run / "metrics.jsonl")
     assert main(["train", "--resume", str(run), "train.steps=3"]) == 0
     assert says in caplog.text
     assert read_metrics(run)[:3] == rows and [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
+
+
+def _without_metrics_copies(run: Path) -> None:  # checkpoints from before they held one
+    for copy in (run / "checkpoints").glob("step_*/metrics.jsonl"):
+        copy.unlink()
+        manifest = json.loads((copy.parent / "manifest.json").read_text())
+        del manifest["files"]["metrics.jsonl"]
+        (copy.parent / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_torn_metrics_line_nothing_can_restore_is_one_error(tmp_path, capsys, finished_run):
+    run, _ = copied(finished_run, tmp_path)
+    metrics = run / "metrics.jsonl"
+    _tear_a_middle_line(metrics)
+    torn = f"gspo: error: {metrics}:2: not a metrics row (a torn or edited line)"
+    assert fails_cleanly(capsys, "plot", str(run), says=torn) == (
+        f"{torn}; delete or fix that line, or copy back "
+        f"{run / 'checkpoints' / 'step_000002' / 'metrics.jsonl'}, the latest checkpoint's copy "
+        f"of the rows up to its step")
+    _without_metrics_copies(run)
+    before = snapshot(run)
+    for dry in ([], ["--dry-run"]):  # the resume would drop the row: refused, the file kept
+        assert fails_cleanly(capsys, "train", *dry, "--resume", str(run), "train.steps=3",
+                             says=torn) == (
+            f"{torn}, and the checkpoint of step 2 holds no copy of the file to restore it "
+            f"from; delete or fix that line, then resume again")
+    assert snapshot(run) == before
+    assert fails_cleanly(capsys, "plot", str(run), says=torn) == f"{torn}; delete or fix that line"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join(lines[:1] + lines[2:]))
+    assert main(["train", "--resume", str(run), "train.steps=3"]) == 0  # the line deleted
+    assert [r["step"] for r in read_metrics(run)] == [0, 2, 3]
 
 
 def test_a_run_directory_in_use(tmp_path, capsys, finished_run):

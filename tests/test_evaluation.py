@@ -1,7 +1,9 @@
 import itertools
 from math import comb
 
+import numpy as np
 import pytest
+import torch
 
 from gspo.data import score
 from gspo.evaluation import pass_at_k
@@ -57,13 +59,44 @@ def _sleeps(completion, **_):
 @pytest.mark.parametrize("reward, says", [
     (lambda c, **_: float("nan"), "ValueError: reward nan is not a finite number"),
     (lambda c, **_: 1e30, "ValueError: reward 1e+30 is not a finite number within +-1e+06"),
-    (lambda c, **_: "high", "TypeError: the reward returned the text 'high', not a number"),
-    (lambda c, **_: "1", "TypeError: the reward returned the text '1', not a number"),
+    (lambda c, **_: "high", "TypeError: the reward <lambda> returned the text 'high', not a "
+                            "number; return a float"),
+    # text that float() would read as a number: a reward's bug, never converted
+    (lambda c, **_: "1", "TypeError: the reward <lambda> returned the text '1', not a number"),
+    (lambda c, **_: np.str_("0.5"), "TypeError: the reward <lambda> returned the text '0.5'"),
+    (lambda c, **_: b"1", "TypeError: the reward <lambda> returned the text b'1'"),
+    (lambda c, **_: None, "TypeError: the reward <lambda> returned a NoneType (None)"),
+    (lambda c, **_: [1.0], "TypeError: the reward <lambda> returned a list ([1.0])"),
+    (lambda c, **_: torch.ones(2), "TypeError: the reward <lambda> returned a Tensor"),
     (_exits, "SystemExit: 3"),  # used to end the whole run with exit 3 and no message
 ])
 def test_a_reward_that_is_not_a_sane_number_fails_and_is_counted(reward, says):
     rewards, failures, first = score(reward, ["x", "y"], [{"prompt": "p"}] * 2)
-    assert rewards == [0.0, 0.0] and failures == 2 and first.startswith(says)
+    assert rewards == [0.0, 0.0] and failures == 2 and first.startswith(says), first
+
+
+@pytest.mark.parametrize("value", [1, 0.5, True, np.float32(0.5), np.int64(1), np.array(0.5),
+                                   torch.tensor(0.5), torch.tensor([1.0])])
+def test_a_number_of_any_kind_is_a_reward(value):
+    rewards, failures, _ = score(lambda c, **_: value, ["x"], [{"prompt": "p"}])
+    assert failures == 0 and rewards == [float(value)]
+
+
+def test_a_part_of_summed_rewards_that_returns_text_is_named():
+    from gspo.config import load_config
+    from gspo.tasks import user_reward
+
+    def fmt(completion, **_):
+        return 0.5
+
+    def label(completion, **_):
+        return "1"
+
+    summed = user_reward([fmt, label], load_config().data)
+    rewards, failures, first = score(summed, ["x"], [{"prompt": "p"}])
+    assert rewards == [0.0] and failures == 1
+    assert first == ("TypeError: the reward label returned the text '1', not a number; return "
+                     "a float")
 
 
 def test_a_reward_past_its_timeout_fails_without_waiting_for_it():

@@ -83,7 +83,7 @@ def train_main(argv: list[str]) -> int:
         if why is None:
             raise
         shutdown(wait=False)
-        print(f"gspo: error: {why}", file=sys.stderr)
+        say(f"gspo: error: {why}")
         return 1
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, once
         print_summary(summary)
@@ -172,8 +172,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[cmd]()(rest)
     except GspoError as e:  # the one exit path of every user-fixable error
-        print(f"gspo: error: {e}" if e.exit_code == USAGE_ERROR else f"gspo: {e}", file=sys.stderr)
+        if getattr(e, "rank0_says_it", False) and int(os.environ.get("RANK", "0")) != 0:
+            return e.exit_code  # the same line as rank 0's: printed once
+        say(f"gspo: error: {e}" if e.exit_code == USAGE_ERROR else f"gspo: {e}")
         return e.exit_code
+
+
+def say(line: str) -> None:
+    """`line` to stderr in one write: under torchrun every rank's stderr is the same pipe, and
+    print's separate write of the newline let two ranks' lines run into one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _plot_main():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import threading
 import time
 from typing import Sequence
@@ -46,6 +47,28 @@ MAX_ABS_REWARD = 1e6
 """A reward beyond this magnitude is taken for a bug (an unscaled sum, a sentinel) and fails."""
 
 
+def reward_name(reward_fn) -> str:
+    """How messages name a reward: its function's name, or a callable object's class."""
+    return getattr(reward_fn, "__name__", type(reward_fn).__name__)
+
+
+def as_reward(value, reward_fn) -> float:
+    """What `reward_fn` returned, as a float: a number (numpy's included) or a tensor / array of
+    one. Anything else is a TypeError naming the reward and the value, never converted: text
+    such as "1" is a reward's bug (a parsed label never made a number), which float() hides."""
+    if not isinstance(value, numbers.Real) and hasattr(value, "item"):
+        try:  # a tensor, an array or a numpy scalar of one element
+            value = value.item()
+        except (ValueError, RuntimeError):  # several elements
+            pass
+    if isinstance(value, numbers.Real):
+        return float(value)
+    what = (f"the text {value!r:.60}" if isinstance(value, (str, bytes))
+            else f"a {type(value).__name__} ({value!r:.60})")
+    raise TypeError(f"the reward {reward_name(reward_fn)} returned {what}, not a number; "
+                    f"return a float")
+
+
 def score(reward_fn: RewardFn, completions: Sequence[str], rows: Sequence[dict],
           workers: int | None = None, timeout: float | None = None
           ) -> tuple[list[float], int, str | None]:
@@ -53,20 +76,17 @@ def score(reward_fn: RewardFn, completions: Sequence[str], rows: Sequence[dict],
     first failure as one line, or None). Training and evaluation both score through here.
 
     A call fails (scores 0, counted) when it raises (SystemExit included), returns a non-number
-    (text such as "1" included), a non-finite value or one beyond MAX_ABS_REWARD, or runs past
-    `timeout` seconds; a call past its timeout is abandoned in its (daemon) thread. workers > 1 scores that many calls at
-    once (for rewards that wait on subprocesses, e.g. code); None takes the reward's own
-    `workers` attribute (CodeReward has one), else 1."""
+    (text such as "1" included: see `as_reward`), a non-finite value or one beyond
+    MAX_ABS_REWARD, or runs past `timeout` seconds; a call past its timeout is abandoned in its
+    (daemon) thread. workers > 1 scores that many calls at once (for rewards that wait on
+    subprocesses, e.g. code); None takes the reward's own `workers` attribute (CodeReward has
+    one), else 1."""
     if workers is None:
         workers = getattr(reward_fn, "workers", None) or 1
     def one(completion: str, row: dict) -> tuple[float, BaseException | None]:
         fields = {k: v for k, v in row.items() if k != "prompt"}
         try:
-            value = reward_fn(completion, **fields)
-            if isinstance(value, (str, bytes)):  # float("1") would hide a reward's bug
-                raise TypeError(f"the reward returned the text {value!r}, not a number; return "
-                                f"a float")
-            r = float(value)
+            r = as_reward(reward_fn(completion, **fields), reward_fn)
             if not math.isfinite(r) or abs(r) > MAX_ABS_REWARD:
                 raise ValueError(f"reward {r} is not a finite number within +-{MAX_ABS_REWARD:g}")
             return r, None
@@ -85,7 +105,7 @@ def score(reward_fn: RewardFn, completions: Sequence[str], rows: Sequence[dict],
         lines = str(errors[0]).strip().splitlines()
         first = type(errors[0]).__name__ + (f": {lines[0][:300]}" if lines else "")
         log.warning("reward function %s failed on %d of %d completions (first: %s); scored 0",
-                    getattr(reward_fn, "__name__", reward_fn), len(errors), len(results), first)
+                    reward_name(reward_fn), len(errors), len(results), first)
     return [r for r, _ in results], len(errors), first
 
 

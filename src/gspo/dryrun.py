@@ -28,7 +28,7 @@ import yaml
 
 from gspo import precision
 from gspo.config import Config, to_dict
-from gspo.data import encode_prompts, score
+from gspo.data import encode_prompts, reward_name, score
 from gspo.distributed import Dist, resolve_device
 from gspo.engines import engine_class, engine_settings
 from gspo.errors import ConfigError
@@ -146,7 +146,7 @@ def try_reward(cfg: Config, reward, solution, row: dict) -> tuple[float, str]:
                                           timeout=cfg.data.reward_fn_timeout or None)
     finally:
         close_reward(reward)
-    name = getattr(reward, "__name__", type(reward).__name__)
+    name = reward_name(reward)
     if failures:
         raise ConfigError(f"the reward {name} failed on a sample answer (a {what}) to the first "
                           f"training row: {first}; fix the reward function or the data fields")

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from gspo.errors import TrainingError
 from gspo.trackers import open_trackers
 
 METRICS_FILE = "metrics.jsonl"
@@ -33,7 +34,9 @@ class MetricsLogger:
     resumed run ends with the same file an uninterrupted run would have written. `history`:
     the copy of metrics.jsonl a checkpoint holds (gspo.trainer.save), which is what agrees with
     the checkpoint: a deleted file, a torn line or a lost row is repaired from it, with a
-    warning; without one, what cannot be read is dropped, with a warning.
+    warning; without one, a torn last line (a crash mid-write) and rows after `k` are dropped,
+    with a warning, and a line that cannot be read among the rows kept refuses the resume
+    (TrainingError naming the line: see `check_resumable`).
 
     `report_to` names trackers (gspo.trackers.TRACKERS) that get every row too, with `config`
     (the resolved config as a nested dict) as their run's config, under `project`.
@@ -56,13 +59,11 @@ class MetricsLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_from_step is not None:  # before the trackers: it may refuse the resume
+            _truncate_after(self.path, resume_from_step, history)
         self._trackers = open_trackers(list(report_to), self.path.parent, project, config or {},
                                        resume_from_step)
-        if resume_from_step is None:
-            self._file = open(self.path, "w")
-        else:
-            _truncate_after(self.path, resume_from_step, history)
-            self._file = open(self.path, "a")
+        self._file = open(self.path, "w" if resume_from_step is None else "a")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Write one row for `step` (to the file and the trackers)."""
@@ -96,24 +97,20 @@ class MetricsLogger:
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     """Rows of a metrics.jsonl (given the file or its run dir); non-finite values are None.
 
-    A torn last line (a crash mid-write) is skipped; a bad line elsewhere is an error.
+    A torn last line (a crash mid-write) is skipped; a bad line elsewhere is a ValueError naming
+    the file and the line.
     """
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no metrics file: {path}")
-    lines = path.read_text().splitlines()
-    rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break
-            raise ValueError(f"{path}:{i + 1}: not valid JSON") from None
+    rows, bad = _readable_rows(path)
+    last = len(path.read_bytes().decode("utf-8", errors="replace").rstrip().splitlines())
+    middle = [n for n in bad if n != last]
+    if middle:
+        raise ValueError(f"{path}:{middle[0]}: not a metrics row (a torn or edited line"
+                         f"{f', {len(middle) - 1} more after it' if len(middle) > 1 else ''})")
     return rows
 
 
@@ -133,6 +130,7 @@ def _resume_rows(path: Path, step: int, history: Path | None) -> list[dict]:
     others)."""
     rows, bad = _readable_rows(path) if path.is_file() else ([], [])
     kept = [r for r in rows if r["step"] <= step]
+    check_resumable(path, step, history)
     if history is not None and history.is_file():
         saved = [r for r in _readable_rows(history)[0] if r["step"] <= step]
         if saved != kept:
@@ -151,9 +149,26 @@ def _resume_rows(path: Path, step: int, history: Path | None) -> list[dict]:
     return kept
 
 
-def _readable_rows(path: Path) -> tuple[list[dict], list[int]]:
-    """(the rows of `path` that parse as JSON objects with a step, the numbers of the other
-    non-empty lines)."""
+def check_resumable(path: Path, step: int, history: Path | None) -> None:
+    """Refuse (TrainingError) a resume from `step` that would lose a row of metrics file
+    `path`: a line that cannot be read among the rows of steps <= `step` (a readable row of
+    such a step follows it), where `history`, the checkpoint's copy, is missing to restore it.
+    A torn last line, or one among rows after `step`, goes with those rows anyway."""
+    if (history is not None and history.is_file()) or not path.is_file():
+        return
+    rows, bad = _readable_rows(path, numbered=True)
+    lost = [n for n in bad if any(line > n and row["step"] <= step for line, row in rows)]
+    if lost:
+        raise TrainingError(
+            f"{path}:{lost[0]}: not a metrics row (a torn or edited line"
+            f"{f', {len(lost) - 1} more after it' if len(lost) > 1 else ''}), and the "
+            f"checkpoint of step {step} holds no copy of the file to restore it from; delete or "
+            f"fix that line, then resume again")
+
+
+def _readable_rows(path: Path, numbered: bool = False) -> tuple[list, list[int]]:
+    """(the rows of `path` that parse as JSON objects with a step, as (line number, row) where
+    `numbered`, the numbers of the other non-empty lines)."""
     rows, bad = [], []
     text = path.read_bytes().decode("utf-8", errors="replace")
     for number, line in enumerate(text.splitlines(), 1):
@@ -164,7 +179,7 @@ def _readable_rows(path: Path) -> tuple[list[dict], list[int]]:
         except ValueError:
             row = None
         if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows.append(row)
+            rows.append((number, row) if numbered else row)
         else:
             bad.append(number)
     return rows, bad

@@ -47,12 +47,19 @@ def plot_runs(
 
 
 def _load_run(run_dir: Path) -> list[dict]:
-    """The run's metric rows; ValueError naming the dir when it has no metrics.jsonl."""
+    """The run's metric rows; ValueError naming the dir when it has no metrics.jsonl, or the
+    line and the fix when a line other than the last cannot be read."""
     if not run_dir.is_dir():
         raise ValueError(f"run dir does not exist: {run_dir}")
     if not (run_dir / METRICS_FILE).is_file():
         raise ValueError(f"no {METRICS_FILE} in run dir {run_dir}")
-    return read_metrics(run_dir)
+    try:
+        return read_metrics(run_dir)
+    except ValueError as e:  # a torn or edited line: say where a whole copy is
+        copies = sorted(run_dir.glob(f"checkpoints/step_*/{METRICS_FILE}"))
+        fix = (f"; delete or fix that line, or copy back {copies[-1]}, the latest checkpoint's "
+               f"copy of the rows up to its step" if copies else "; delete or fix that line")
+        raise ValueError(f"{e}{fix}") from None
 
 
 def _labels(run_dirs: list[Path]) -> list[str]:
@@ -135,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         paths = plot_runs(args.runs, args.out)
     except (ValueError, OSError) as e:
-        print(f"gspo plot: error: {e}", file=sys.stderr)
+        print(f"gspo: error: {e}", file=sys.stderr)
         return 2
     for path in paths:
         print(path)

@@ -15,14 +15,16 @@ can be deleted or edited between a stop and a resume. So every checkpoint carrie
 
 A resume (and `gspo train --dry-run --resume`) compares itself with the checkpoint it starts
 from and refuses, in one line naming the field and how to start a new run instead:
-a change of FROZEN (the model's shape, the objective, where the data come from), a different
-reward, different rows (a changed data file, data.n_eval, data.prompt_template, ...), and
-train.steps below the steps already done. A checkpoint written before run.json existed is
-checked against config.yaml; with neither, the resume needs --config to say what the run was.
+a change of FROZEN (the model's shape, the objective, where the data come from, the reward's
+settings), a different reward, different rows (a changed data file, data.n_eval,
+data.prompt_template, ...), and train.steps below the steps already done. A checkpoint
+written before run.json existed is checked against config.yaml; with neither, the resume needs
+--config to say what the run was.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -37,11 +39,18 @@ FORMAT = 1
 FROZEN = ("model.name_or_path", "model.hidden_size", "model.num_layers", "model.num_heads",
           "model.num_kv_heads", "model.intermediate_size", "model.num_experts",
           "model.num_experts_per_tok", "model.moe_intermediate_size", "model.lora_rank",
-          "model.lora_target_modules", "algorithm.name", "data.task", "data.path",
-          "data.eval_path")
-"""What a resume cannot change: the model's shape (the checkpoint would not fit it), the
-objective (its presets, e.g. the clip range, were resolved into the saved config) and where the
-prompts come from (the held-out split is drawn from them)."""
+          "model.lora_target_modules", "model.lora_alpha",
+          "algorithm.name", "algorithm.aggregation", "algorithm.advantage_scale",
+          "data.task", "data.path", "data.eval_path", "data.system_prompt",
+          "data.reward_mode", "data.format_weight")
+"""What a resume cannot change: the model's shape and the LoRA adapter's scale (the checkpoint
+would not fit it, or would compute another function); the objective: its name (its presets,
+e.g. the clip range, were resolved into the saved config), how the loss is aggregated and how
+advantages are normalised; where the prompts come from (the held-out split is drawn from them)
+and the system turn they are shown with, which the rows' fingerprint does not cover; and the
+settings of the reward itself (the code reward's all-or-fraction, the format bonus), which its
+identity does not. What only tunes how the run gets there (learning rate, clip range, KL weight,
+timeouts, precision, engine) may change."""
 
 
 def reward_identity(d, reward_fn=None) -> tuple[str, str]:
@@ -114,10 +123,23 @@ def saved_config(run_dir: Path, record: dict | None, overrides: list[str] = ()) 
 
 
 def _get(c: Config | dict, key: str) -> Any:
+    """The value of `key` in a config, or in a saved one (a dict: a field that an older gspo
+    did not save reads as its default, which is what that gspo trained with)."""
     section, name = key.split(".")
     if isinstance(c, dict):
+        if name not in c.get(section, {}):
+            return getattr(getattr(Config(), section), name)
         return c[section][name]
     return getattr(getattr(c, section), name)
+
+
+def _applies(cfg: Config, key: str) -> bool:
+    """Whether `key` means anything in `cfg`: a field declared `when=` another setting (e.g.
+    model.lora_alpha, with LoRA on) does not where that does not hold."""
+    section, name = key.split(".")
+    obj = getattr(cfg, section)
+    when = next(f.metadata.get("when") for f in dataclasses.fields(obj) if f.name == name)
+    return when is None or when(obj)
 
 
 def _show(value: Any) -> str:
@@ -146,7 +168,7 @@ def check_resume(cfg: Config, run_dir: Path, ckpt: Path, reward_fn=None, train_d
                                 f"rows>), or {new_run}")
     if saved is not None:
         changed = [f"{k}={_show(_get(cfg, k))} (trained with {_show(_get(saved, k))})"
-                   for k in FROZEN if _get(cfg, k) != _get(saved, k)]
+                   for k in FROZEN if _get(cfg, k) != _get(saved, k) and _applies(cfg, k)]
         if changed:
             raise TrainingError(f"{where} cannot change {', '.join(changed)}: {new_run}")
     done = int(ckpt.name.rsplit("_", 1)[1])

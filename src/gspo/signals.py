@@ -10,6 +10,11 @@ to hurry. There torchrun's own escalation (SIGKILL after its grace period) is th
 once, and a rank that has stopped ignores further copies. Under torchrun, ranks agree at each
 check (a max over ranks), so they stop at the same point; torchrun gives its workers about 30 s
 after forwarding a SIGTERM, which bounds how long the final checkpoint may take there.
+
+What gspo cannot change: torchrun, when it got the signal itself, re-raises it once its workers
+have exited, as a `SignalException` traceback, and exits 1 (torch.distributed.run does so by
+design and has no option to keep quiet; gspo runs only in the workers). So rank 0's final line
+says, under torchrun, that a traceback after it only reports the signal.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ def under_torchrun() -> bool:
 
 class Interrupted(GspoError):
     """The run stopped on a signal after saving what it had; the message says how to resume."""
+
+    rank0_says_it = True  # every rank stops alike: under torchrun one line, from rank 0
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
@@ -64,8 +71,9 @@ class StopRequest:
             os.kill(os.getpid(), signum)
             return
         self.signum = signum
-        log.warning("%s received: stopping after the step under way, with a checkpoint "
-                    "(send it again to exit at once)", signal.Signals(signum).name)
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: said once
+            log.warning("%s received: stopping after the step under way, with a checkpoint "
+                        "(send it again to exit at once)", signal.Signals(signum).name)
 
     def agreed(self, d) -> int:
         """The signal any rank got, 0 for none (a collective under torchrun: call it on every

@@ -45,11 +45,11 @@ from gspo.distributed import (Dist, Policy, as_local, broadcast_weights, checkpo
                                load_optimizer_state, no_sync, wrap_policy)
 from gspo.errors import TrainingError
 from gspo.evaluation import evaluate
-from gspo.logger import METRICS_FILE, MetricsLogger
+from gspo.logger import METRICS_FILE, MetricsLogger, check_resumable
 from gspo.rewards import RewardFn, close_reward
 from gspo.runlock import exclusive
 from gspo.runrecord import check_resume, check_rows, make_record, write_record
-from gspo.signals import Interrupted, StopRequest
+from gspo.signals import Interrupted, StopRequest, under_torchrun
 from gspo.lora import (ADAPTER_DIR, LoraUnavailable, add_lora, is_lora, load_adapter,
                        merged_weights, save_adapter)
 from gspo.engines import (RolloutEngine, Rollouts, SamplingParams, engine_class,
@@ -469,8 +469,9 @@ def check_async(cfg: Config, world: int) -> None:
 def run_dir_checkpoint(cfg: Config, run_dir: Path, resume: bool, verify: bool = True,
                        **objects) -> tuple[Path | None, dict | None]:
     """(the checkpoint a resume starts from, its run record; None, None for a new run), after
-    refusing a new run in a directory that holds checkpoints and a resume that changes what the
-    run was (gspo.runrecord.check_resume). verify: check the checkpoint's files against its
+    refusing a new run in a directory that holds checkpoints, a resume that changes what the
+    run was (gspo.runrecord.check_resume) and one that would lose a metrics row
+    (gspo.logger.check_resumable). verify: check the checkpoint's files against its
     manifest (reads them all). objects: reward_fn, train_data, eval_data as for `train`."""
     if not resume and latest_checkpoint(run_dir) is not None:
         raise TrainingError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
@@ -480,7 +481,10 @@ def run_dir_checkpoint(cfg: Config, run_dir: Path, resume: bool, verify: bool = 
     ckpt = latest_checkpoint(run_dir, verify=verify)
     if ckpt is None:
         raise TrainingError(f"--resume {run_dir}: no finished checkpoint found there")
-    return ckpt, check_resume(cfg, run_dir, ckpt, **objects)
+    record = check_resume(cfg, run_dir, ckpt, **objects)
+    check_resumable(run_dir / METRICS_FILE, int(ckpt.name.rsplit("_", 1)[1]),
+                    ckpt / METRICS_FILE)  # on every rank, though rank 0 alone writes it
+    return ckpt, record
 
 
 def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train_data=None,
@@ -757,7 +761,8 @@ def check_reward_failures(run: Run, step: int, n: int, failures: int, first: str
     first_step = step == run.start_step and failures == n > 0
     if limit < 1 and (first_step or (len(window) == REWARD_WINDOW and failed > limit * seen)):
         where = "of the first RL step" if first_step else f"of the last {REWARD_WINDOW} RL steps"
-        raise TrainingError(f"the reward failed on {int(failed)} of {int(seen)} completions "
+        raise TrainingError(f"the reward {run.record['reward']} failed on {int(failed)} of "
+                            f"{int(seen)} completions "
                             f"{where} (first error: {first or 'on another rank'}); fix the "
                             f"reward function, or raise data.max_reward_failures (now {limit:g})")
     return n, failures
@@ -970,9 +975,14 @@ def _stopped(run: Run, stop: StopRequest, when: str, step: int) -> None:
     """Raise Interrupted saying where the run stopped and how to resume (checkpoint saved)."""
     run.dist.barrier()
     signum, name = stop.name(run.dist)
+    # torchrun re-raises a signal it got as its own SignalException traceback, after ours
+    # (torch.distributed.run has no way to keep it quiet): say that it is not a failure
+    torchrun = (f" (every rank stopped cleanly: a SignalException traceback from torchrun "
+                f"after this line only reports the {name} it got and passed on)"
+                if under_torchrun() else "")
     raise Interrupted(f"stopped by {name} {when}; checkpoint "
-                      f"{run.run_dir / 'checkpoints' / f'step_{step:06d}'} holds it; continue "
-                      f"with: gspo train --resume {run.run_dir}", signum)
+                      f"{run.run_dir / 'checkpoints' / f'step_{step:06d}'} holds it{torchrun}; "
+                      f"continue with: gspo train --resume {run.run_dir}", signum)
 
 
 def rl_loop(run: Run, resume: bool, logger: MetricsLogger,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
+from gspo.data import as_reward, reward_name
 from gspo.errors import ConfigError
 from gspo.rewards import RewardFn, close_reward, load_reward
 from gspo.tasks.registry import TASKS, TaskSpec, file_tasks, get_task, register_task
@@ -93,9 +94,9 @@ def user_reward(reward_fn, d) -> RewardFn:
         return fns[0]
 
     def summed(completion: str, **fields) -> float:
-        return sum(float(f(completion, **fields)) for f in fns)
+        return sum(as_reward(f(completion, **fields), f) for f in fns)
 
-    summed.__name__ = "+".join(getattr(f, "__name__", "reward") for f in fns)
+    summed.__name__ = "+".join(reward_name(f) for f in fns)
     summed.close = lambda: close_reward(fns)  # so that closing the sum closes each part
     return summed
 
