@@ -21,9 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gspo import metrics as M
-from gspo.config import load_config
-from gspo.trainer import close_run, prepare, rl_step
+from gspo import close_run, load_config, prepare, rl_step
 
 BASE = ["warmup.steps=0", "train.eval_every=0", "train.save_every=0", "train.progress=false",
         "train.tensorboard=false"]
@@ -42,10 +40,9 @@ def time_mode(staleness: int, steps: int, config: str | None, overrides: list[st
         finally:
             close_run(run)
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in rows)  # noqa: E731
-    own = statistics.fmean(r[M.TIME_OLD_LOGP] + r[M.TIME_UPDATE] for r in rows)
-    return {"s_per_step": wall, "sample_s": mean(M.TIME_SAMPLE) or mean(M.TIME_ROLLOUT),
-            "wait_s": mean(M.TIME_ROLLOUT), "trainer_s": own,
-            "reward": mean(M.REWARD_MEAN)}
+    own = statistics.fmean(r["time/old_logp_s"] + r["time/update_s"] for r in rows)
+    return {"s_per_step": wall, "sample_s": mean("time/sample_s") or mean("time/rollout_s"),
+            "wait_s": mean("time/rollout_s"), "trainer_s": own, "reward": mean("reward/mean")}
 
 
 def main(argv=None) -> int:

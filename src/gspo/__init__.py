@@ -20,6 +20,7 @@ _API = {
     # configuration and the run
     "Config": "gspo.config", "load_config": "gspo.config",
     "train": "gspo.trainer", "build_run": "gspo.trainer", "prepare": "gspo.trainer", "rl_step": "gspo.trainer",
+    "close_run": "gspo.trainer",
     "generate": "gspo.trainer", "old_policy": "gspo.trainer", "update": "gspo.trainer",
     "step_prompts": "gspo.trainer", "build_model": "gspo.trainer", "build_task": "gspo.trainer",
     "warmup": "gspo.trainer", "Summary": "gspo.trainer", "dry_run": "gspo.dryrun",
