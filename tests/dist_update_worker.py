@@ -1,5 +1,5 @@
 """Run by tests/test_distributed.py, under torchrun (N ranks) or alone (1 process): one
-optimiser step of gspo.trainer.update on a fixed global batch; rank 0 saves the parameters.
+optimiser step of gspo.step.update on a fixed global batch; rank 0 saves the parameters.
 
     python tests/dist_update_worker.py OUT.pt key.sub=value ...
 """
@@ -15,7 +15,8 @@ import torch
 from gspo.config import load_config
 from gspo.distributed import as_local, full_weights, shutdown
 from gspo.engines import Rollouts
-from gspo.trainer import prepare, update
+from gspo.step import update
+from gspo.trainer import prepare
 
 
 def digit_fraction(completion: str, **_) -> float:

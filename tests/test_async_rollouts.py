@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+import gspo.preflight as preflight
+import gspo.step as step_mod
 import gspo.trainer as trainer
 from gspo import metrics as M
 from gspo.async_rollouts import AsyncSampler
@@ -137,7 +139,7 @@ def test_an_async_run_equals_its_sequential_reenactment(tmp_path, tiny_overrides
             ref = []
             for step in range(4):
                 run.engine.load_weights(weights[max(0, step - 1)])
-                row = trainer.rl_step(run, step)
+                row = step_mod.rl_step(run, step)
                 weights.append([(n, t.detach().clone())
                                 for n, t in run.model.state_dict().items()])
                 if (step + 1) % 2 == 0:
@@ -174,7 +176,7 @@ def test_a_resumed_async_run_loses_no_update(tmp_path, tiny_overrides):
 def test_what_async_does_not_run_with_is_refused(extra, world, why, tiny_overrides):
     cfg = load_config(overrides=tiny_overrides + ["rollout.max_staleness=1", *extra])
     with pytest.raises(TrainingError, match=f"rollout.max_staleness=1 does not run with {why}"):
-        trainer.check_launch(cfg, world=world)
+        preflight.check_launch(cfg, world=world)
 
 
 def test_sigterm_stops_an_async_run_with_a_checkpoint_and_a_resume_goes_on(tmp_path):

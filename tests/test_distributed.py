@@ -215,7 +215,7 @@ class Recording(Dist):
 def test_mismatch_metrics_reduced_over_ranks_equal_the_whole_batch():
     from gspo.objectives import engine_mismatch
     from gspo.engines import Rollouts
-    from gspo.trainer import reduce_mismatch
+    from gspo.step import reduce_mismatch
     g = torch.Generator().manual_seed(0)
     B, T = 10, 7
     logp, rollout_logp = -torch.rand(B, T, generator=g), -torch.rand(B, T, generator=g)

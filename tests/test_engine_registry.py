@@ -8,7 +8,8 @@ import pytest
 
 from gspo.config import load_config
 from gspo.engines import ENGINES, EngineSettings, HFEngine, VLLMEngine
-from gspo.trainer import build_engine, build_model
+from gspo.preflight import build_model
+from gspo.trainer import build_engine
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "gspo"
 

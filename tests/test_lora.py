@@ -16,7 +16,10 @@ from gspo.config import ConfigError, load_config  # noqa: E402
 from gspo.logger import read_metrics  # noqa: E402
 from gspo.logprobs import token_logprobs  # noqa: E402
 from gspo.lora import add_lora, load_adapter, merged_weights  # noqa: E402
-from gspo.trainer import TrainingError, build_model, prepare, rl_step, train  # noqa: E402
+from gspo.errors import TrainingError  # noqa: E402
+from gspo.preflight import build_model  # noqa: E402
+from gspo.step import rl_step  # noqa: E402
+from gspo.trainer import prepare, train  # noqa: E402
 from gspo.weights import copy_weights_  # noqa: E402
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]

@@ -5,11 +5,12 @@ import math
 import pytest
 import torch
 
+import gspo.step as step
 import gspo.trainer as trainer
 from gspo import metrics as M
 from gspo.config import ConfigError, load_config
 from gspo.logger import read_metrics
-from gspo.objectives import engine_mismatch, truncated_is_weights
+from gspo.objectives import engine_mismatch, importance_weights
 from gspo.engines import to_rollouts
 from gspo.engines.vllm import vllm_available
 
@@ -78,7 +79,7 @@ def test_bfloat16_rollouts_have_positive_mismatch(tmp_path, tiny_overrides):
     run = trainer.prepare(cfg, tmp_path / "r", resume=False)
     assert next(run.engine.model.parameters()).dtype == torch.bfloat16
     assert next(run.model.parameters()).dtype == torch.float32
-    row = trainer.rl_step(run, 0)
+    row = step.rl_step(run, 0)
     assert row[M.MISMATCH + "token_abs_mean"] > 1e-4  # float32 vs float32 gives ~1e-7
     # the engine's copy follows the trainer's weights after the step
     for (name, p), q in zip(run.model.named_parameters(), run.engine.model.parameters()):
@@ -91,18 +92,18 @@ def test_tis_weights_on_a_hand_built_case():
     logp = torch.tensor([[-1.0, -2.0, 0.0, 9.0]])
     rollout = torch.tensor([[-1.5, -1.0, -2.0, -9.0]])
     mask = torch.tensor([[1, 1, 1, 0]])
-    w = truncated_is_weights(logp, rollout, mask, "token", cap=2.0)
+    w = importance_weights(logp, rollout, mask, "truncate", "token", cap=2.0)
     torch.testing.assert_close(w, torch.tensor([[math.exp(0.5), math.exp(-1.0), 2.0, 1.0]]))
     # sequence: prod = e^(0.5 - 1 + 2) = e^1.5 = 4.48 -> capped at 2; with a big cap, e^1.5
-    ws = truncated_is_weights(logp, rollout, mask, "sequence", cap=2.0)
+    ws = importance_weights(logp, rollout, mask, "truncate", "sequence", cap=2.0)
     torch.testing.assert_close(ws, torch.tensor([2.0]))
-    ws = truncated_is_weights(logp, rollout, mask, "sequence", cap=10.0)
+    ws = importance_weights(logp, rollout, mask, "truncate", "sequence", cap=10.0)
     torch.testing.assert_close(ws, torch.tensor([math.exp(1.5)]))
-    huge = truncated_is_weights(torch.full((1, 4), 100.0), torch.zeros(1, 4), torch.ones(1, 4),
-                                "sequence", cap=3.0)
+    huge = importance_weights(torch.full((1, 4), 100.0), torch.zeros(1, 4), torch.ones(1, 4),
+                              "truncate", "sequence", cap=3.0)
     assert torch.isfinite(huge).all() and float(huge) == pytest.approx(3.0)
     with pytest.raises(ValueError, match="cap"):
-        truncated_is_weights(logp, rollout, mask, "token", cap=0)
+        importance_weights(logp, rollout, mask, "truncate", "token", cap=0)
 
 
 def test_engine_mismatch_on_a_hand_built_case():
@@ -126,7 +127,8 @@ def test_tis_in_train_changes_the_update_only_through_the_weights(tmp_path, tiny
 
 @pytest.mark.parametrize("overrides, words", [
     (["algorithm.tis=token"], "gspo has one advantage per sequence"),
-    (["algorithm.tis=sequence", "algorithm.old_logprobs=rollout"], "needs algorithm.old_logprobs"),
+    (["algorithm.tis=sequence", "algorithm.is_correction=mask"], "drop algorithm.tis"),
+    (["algorithm.is_correction=mask", "algorithm.is_floor=3"], "must be below algorithm.is_cap"),
     (["algorithm.old_logprobs=cache"], r"algorithm.old_logprobs must be one of recompute \| "
                                        r"rollout, got 'cache'"),
     (["rollout.dtype=int8"], "rollout.dtype"),
@@ -144,18 +146,18 @@ def test_moe_rollout_routing_is_recorded_for_replay(tmp_path, tiny_overrides):
         "algorithm.routing_replay=true", "algorithm.old_logprobs=rollout",
         "train.eval_every=0", "warmup.steps=0"])
     run = trainer.prepare(cfg, tmp_path / "r", resume=False)
-    rows = trainer.step_prompts(run.train_rows, 0, cfg.rollout.prompts_per_step, 0)
-    r = trainer.generate(run, rows, 0)
+    rows = step.step_prompts(run.train_rows, 0, cfg.rollout.prompts_per_step, 0)
+    r = step.generate(run, rows, 0)
     streamed = run.routing.engine_recorder.indices("old")
     recorder = run.routing.recorder  # on the training model
     recorder.allocate("full", r.input_ids.shape[0], r.input_ids.shape[1] - 1)
-    trainer.policy_logprobs(run.policy, r, 1.0, run.micro, 1024,
+    step.policy_logprobs(run.policy, r, 1.0, run.micro, 1024,
                             route=lambda rows: recorder.record(rows, store="full"))
     mask = r.attention_mask[:, :-1] > 0  # real tokens of the decoder input
     for s, f in zip(streamed, recorder.indices("full")):
         agree = (s.sort(-1).values == f.sort(-1).values).all(-1)[mask].float().mean()
         assert agree > 0.99  # near-ties may flip under different kernels' rounding
-    trainer.rl_step(run, 0)  # and the replayed update runs
+    step.rl_step(run, 0)  # and the replayed update runs
 
 
 def test_to_rollouts_pads_like_the_hf_engine():

@@ -21,7 +21,8 @@ from gspo.config import ConfigError, load_config
 from gspo.precision import rollout_dtype
 from gspo.distributed import Policy
 from gspo.logprobs import logprobs_from_hidden
-from gspo.trainer import close_run, generate, old_policy, prepare, train, update
+from gspo.step import generate, old_policy, update
+from gspo.trainer import close_run, prepare, train
 
 ROOT = Path(__file__).resolve().parents[1]
 MIXED = ["bf16-mixed", "fp16-mixed"]

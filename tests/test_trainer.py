@@ -11,7 +11,9 @@ from gspo import metrics as M
 from gspo.checkpoint import latest_checkpoint
 from gspo.config import load_config
 from gspo.logger import read_metrics
-from gspo.trainer import TrainingError, build_model, train
+from gspo.errors import TrainingError
+from gspo.preflight import build_model
+from gspo.trainer import train
 
 REQUIRED_KEYS = ["step", M.REWARD_MEAN, M.REWARD_STD, M.LOSS, M.CLIP_FRAC, M.CLIP_FRAC_LOW,
                  M.CLIP_FRAC_HIGH, M.RATIO_MEAN, M.KL_OLD, M.ENTROPY, M.GRAD_NORM,
@@ -26,15 +28,15 @@ def digit_fraction(completion, **_):
 def dense_reward(monkeypatch):
     """Swap the task's exact-match reward for one that gives non-zero advantages, so RL
     steps really move the weights."""
-    import gspo.trainer as trainer
+    import gspo.preflight as preflight
 
-    real = trainer.build_task
+    real = preflight.build_task
 
     def build_task(d, *python_objects):
         train_rows, eval_rows, _, solution = real(d, *python_objects)
         return train_rows, eval_rows, digit_fraction, solution
 
-    monkeypatch.setattr(trainer, "build_task", build_task)
+    monkeypatch.setattr(preflight, "build_task", build_task)
 
 
 def test_two_step_run_trains_and_logs_every_metric(tmp_path, tiny_overrides, dense_reward):
@@ -105,9 +107,9 @@ def test_run_dir_with_checkpoints_is_never_overwritten(tmp_path, tiny_overrides)
 def test_nan_loss_stops_with_a_clear_error_and_keeps_checkpoints(tmp_path, tiny_overrides,
                                                                 monkeypatch):
     cfg = load_config(overrides=tiny_overrides + ["train.steps=3"])
-    import gspo.trainer as trainer
+    import gspo.objectives as objectives
 
-    real = trainer.OBJECTIVES["gspo"]
+    real = objectives.OBJECTIVES["gspo"]
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -115,7 +117,7 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_checkpoints(tmp_path, tiny_
         calls["n"] += 1
         return (loss * float("nan") if calls["n"] > 4 else loss), metrics  # step 2 onwards
 
-    monkeypatch.setitem(trainer.OBJECTIVES, "gspo", dataclasses.replace(real, fn=poisoned))
+    monkeypatch.setitem(objectives.OBJECTIVES, "gspo", dataclasses.replace(real, fn=poisoned))
     with pytest.raises(TrainingError, match="non-finite loss"):
         train(cfg, tmp_path / "run")
     assert latest_checkpoint(tmp_path / "run").name == "step_000001"
@@ -168,7 +170,7 @@ def test_rewards_all_equal_for_five_steps_warn_that_nothing_is_learned(tmp_path,
                                                                       caplog):
     cfg = load_config(overrides=tiny_overrides + [f"data.reward={REWARDS}:constant",
                                                   "train.steps=6", "train.eval_every=0"])
-    with caplog.at_level("WARNING", logger="gspo.trainer"):
+    with caplog.at_level("WARNING", logger="gspo.step"):
         train(cfg, tmp_path / "run")
     said = [r.message for r in caplog.records if "was the same" in r.message]
     assert said == ["every reward of RL steps 1-5 was the same: the group advantages are 0 and "

@@ -19,13 +19,13 @@ __version__ = "0.1.0"
 _API = {
     # configuration and the run
     "Config": "gspo.config", "load_config": "gspo.config",
-    "train": "gspo.trainer", "build_run": "gspo.trainer", "prepare": "gspo.trainer", "rl_step": "gspo.trainer",
-    "close_run": "gspo.trainer",
-    "generate": "gspo.trainer", "old_policy": "gspo.trainer", "update": "gspo.trainer",
-    "step_prompts": "gspo.trainer", "build_model": "gspo.trainer", "build_task": "gspo.trainer",
-    "warmup": "gspo.trainer", "Summary": "gspo.trainer", "dry_run": "gspo.dryrun",
+    "train": "gspo.trainer", "Summary": "gspo.run", "dry_run": "gspo.dryrun",
+    "Callback": "gspo.callbacks",
+    # a run stepped by hand (benchmarks, notebooks): prepare, then rl_step, then close_run
+    "prepare": "gspo.trainer", "rl_step": "gspo.step", "close_run": "gspo.trainer",
     # the math
     "OBJECTIVES": "gspo.objectives", "LossSpec": "gspo.objectives",
+    "importance_weights": "gspo.objectives",
     "register_objective": "gspo.objectives", "group_advantages": "gspo.objectives",
     "logprobs_from_hidden": "gspo.logprobs", "token_logprobs": "gspo.logprobs",
     # models and engines
@@ -40,6 +40,7 @@ _API = {
     "RewardFn": "gspo.rewards", "close_reward": "gspo.rewards",
     "make_splits": "gspo.tasks.arithmetic", "exact_match_reward": "gspo.tasks.arithmetic",
     "TASKS": "gspo.tasks", "TaskSpec": "gspo.tasks", "register_task": "gspo.tasks",
+    "build_task": "gspo.tasks",
     "read_metrics": "gspo.logger", "WeightedMean": "gspo.metrics",
     # torchrun
     "Dist": "gspo.distributed", "Policy": "gspo.distributed",

@@ -224,10 +224,20 @@ class AlgorithmConfig:
                            choices=("recompute", "rollout"))
     mismatch_every: int = _f(10, "with old_logprobs=rollout, also recompute every N steps just "
                              "to log mismatch/* (0 = never)", ge=0)
-    tis: str = _f("none", "truncated importance sampling for engine mismatch, per token or "
-                  "per sequence (needs old_logprobs=recompute)",
+    is_correction: str = _f("none", "off-policy correction between the rollout engine's "
+                            "likelihoods and the trainer's: truncate (weights capped at is_cap: "
+                            "TIS) | mask (terms whose weight is outside [is_floor, is_cap] "
+                            "leave the loss) | none", choices=("none", "truncate", "mask"))
+    is_level: str = _f("sequence", "the correction's weight per token (needs per-token "
+                       "advantages: gspo_token, grpo) | sequence (the product over the "
+                       "response) | geometric (its per-token geometric mean)",
+                       choices=("token", "sequence", "geometric"))
+    is_cap: float = _f(2.0, "upper bound of the correction's weights", gt=0)
+    is_floor: float = _f(0.0, "lower bound: truncate raises smaller weights to it, mask drops "
+                         "their terms (0 = none)", ge=0)
+    tis: str = _f("none", "retired alias: tis=L is is_correction=truncate with is_level=L",
                   choices=("none", "token", "sequence"))
-    tis_cap: float = _f(2.0, "TIS truncation cap C", gt=0)
+    tis_cap: float = _f(2.0, "retired alias of is_cap (with tis)", gt=0)
     routing_replay: bool = _f(False, "MoE: record the experts chosen under pi_old and force "
                               "them when computing pi_theta (GRPO needs it, GSPO should not)")
 
@@ -490,12 +500,14 @@ def resolve(cfg: Config) -> Config:
         raise ConfigError(f"rollout batch {batch} (prompts_per_step {r.prompts_per_step} x "
                           f"group_size {r.group_size}) is not divisible by algorithm.minibatches "
                           f"{a.minibatches}")
-    if a.tis != "none" and a.old_logprobs == "rollout":
-        raise ConfigError("algorithm.tis corrects a recomputed pi_old for the engine's "
-                          "sampling; it needs algorithm.old_logprobs=recompute")
-    if a.tis == "token" and not spec.token_advantages:
-        raise ConfigError(f"algorithm.tis=token gives per-token weights, but {a.name} has one "
-                          f"advantage per sequence; use tis=sequence or algorithm=gspo_token")
+    _fold_tis(a)
+    if a.is_correction != "none" and a.is_level == "token" and not spec.token_advantages:
+        raise ConfigError(f"algorithm.is_level=token gives per-token weights, but {a.name} has "
+                          f"one advantage per sequence; use is_level=sequence or geometric, or "
+                          f"algorithm=gspo_token")
+    if a.is_correction != "none" and a.is_floor >= a.is_cap:
+        raise ConfigError(f"algorithm.is_floor={a.is_floor} must be below algorithm.is_cap="
+                          f"{a.is_cap}")
     betas = cfg.optim.betas
     if (not isinstance(betas, (list, tuple)) or len(betas) != 2
             or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
@@ -522,6 +534,18 @@ def _check_precision(cfg: Config) -> None:
             "and AdamW state); train.precision=bf16-mixed keeps float32 master weights")
         t.precision = "bf16-true"
     m.dtype = "float32"
+
+
+def _fold_tis(a: AlgorithmConfig) -> None:
+    """Fold the retired algorithm.tis / tis_cap into is_correction / is_level / is_cap (so the
+    saved config says it once)."""
+    if a.tis == "none":
+        return
+    if a.is_correction != "none" and (a.is_correction, a.is_level) != ("truncate", a.tis):
+        raise ConfigError(f"algorithm.tis={a.tis} (retired: is_correction=truncate, is_level="
+                          f"{a.tis}) contradicts algorithm.is_correction={a.is_correction} "
+                          f"with is_level={a.is_level}; drop algorithm.tis")
+    a.is_correction, a.is_level, a.is_cap, a.tis = "truncate", a.tis, a.tis_cap, "none"
 
 
 def _check_trackers(t: TrainConfig) -> None:

@@ -34,11 +34,8 @@ from gspo.engines import engine_class, engine_settings
 from gspo.errors import ConfigError
 from gspo.rewards import close_reward
 from gspo.runlock import check_run_dir
-from gspo.runrecord import check_rows
-from gspo.tasks import build_task, get_task
-from gspo.tasks.datasets import DatasetError
-from gspo.trainer import (build_model, check_launch, data_parallel_mode, fitting_prompts,
-                          run_dir_checkpoint)
+from gspo.tasks import get_task
+from gspo.preflight import data_parallel_mode, preflight
 
 GIB = 2 ** 30
 MAX_MEASURED = 2000  # prompts tokenized for the token budget (a seeded sample of larger sets)
@@ -55,31 +52,14 @@ def dry_run(cfg: Config, world: int | None = None, run_dir: str | Path | None = 
     if world < 1:
         raise ConfigError(f"the world size must be >= 1, got {world}")
     warnings = machine_warnings(cfg)
-    check_launch(cfg, world)
-    mode = data_parallel_mode(cfg, Dist(world=world))
-    record = None
     if run_dir is not None:
         check_run_dir(run_dir)
-    if run_dir is not None and Path(run_dir).exists():
-        _, record = run_dir_checkpoint(cfg, Path(run_dir), resume, verify=False,
-                                       reward_fn=reward_fn, train_data=train_data,
-                                       eval_data=eval_data)
-    model, tokenizer = build_model(cfg, weights=False)
-    bad_rows: list[str] = []
-    train_rows, eval_rows, reward, solution = build_task(cfg.data, train_data, eval_data,
-                                                         reward_fn, bad_rows)
-    try:
-        check_rows(record, cfg, Path(run_dir or "."), train_rows, eval_rows)
-    except BaseException:
-        close_reward(reward)
-        raise
-    if bad_rows and cfg.data.on_bad_row == "fail":
-        raise DatasetError(f"{len(bad_rows)} malformed row(s): {'; '.join(bad_rows[:5])}"
-                           f"{'; ...' if len(bad_rows) > 5 else ''} (data.on_bad_row=skip "
-                           f"leaves such rows out)")
-    train_rows, eval_rows = (fitting_prompts(rows, what, model, tokenizer, cfg)
-                             for rows, what in ((train_rows, "training"), (eval_rows, "held-out")))
-    check_launch(cfg, world, len(train_rows), resume, len(eval_rows))
+    pf = preflight(cfg, None if run_dir is None else Path(run_dir), resume, world, weights=False,
+                  verify=False, every_bad_row=True, reward_fn=reward_fn, train_data=train_data,
+                  eval_data=eval_data)
+    mode = data_parallel_mode(cfg, Dist(world=world))
+    model, tokenizer, train_rows, eval_rows = pf.model, pf.tokenizer, pf.train_rows, pf.eval_rows
+    reward, solution, bad_rows = pf.reward, pf.solution, pf.bad_rows
     if cfg.warmup.steps and not resume:
         solution(train_rows[0])  # a task without worked solutions says to set warmup.steps=0
     value, sample = try_reward(cfg, reward, solution, train_rows[0])

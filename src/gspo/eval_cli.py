@@ -4,8 +4,8 @@
               [--engine NAME] [data.prompt_field=question ...] [rollout.KEY=VALUE ...]
 
 The model and its rollout engine are built by the code `gspo train` builds them with
-(gspo.trainer.build_model and build_engine), from a config of the flags and the data.* and
-rollout.* overrides (the engine's own settings). K responses are sampled per problem with the
+(gspo.preflight.build_model and gspo.trainer.build_engine), from a config of the flags and the
+data.* and rollout.* overrides (the engine's own settings). K responses are sampled per problem with the
 engine and scored with the task's reward (format bonus off: correctness only). Reported per problem and overall: avg@K, the mean reward
 over all K samples (the paper's AIME'24 avg@32), and the unbiased pass@k estimator for k = 1,
 2, 4, ... up to K (a sample counts as correct when its reward is >= 1). The numbers come from
@@ -32,7 +32,8 @@ from gspo.evaluation import EvalResult, evaluate, pass_at_k
 from gspo.rewards import RewardFn, close_reward
 from gspo.tasks import TASKS, build_reward, file_tasks
 from gspo.tasks.datasets import load_rows
-from gspo.trainer import build_engine, build_model
+from gspo.preflight import build_model
+from gspo.trainer import build_engine
 
 TABLE_ROWS = 50  # problems printed; the JSONL always has them all
 
@@ -150,8 +151,8 @@ def load_eval_task(d: DataConfig, limit: int = 0) -> tuple[list[dict], RewardFn]
 
 def load_engine(cfg: Config) -> tuple[RolloutEngine, object]:
     """(the rollout engine, the tokenizer) of cfg's model, built as `gspo train` builds them
-    (gspo.trainer.build_model, build_engine), for sampling only: on train.device, in
-    rollout.dtype."""
+    (gspo.preflight.build_model, gspo.trainer.build_engine), for sampling only: on
+    train.device, in rollout.dtype."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar

@@ -16,6 +16,7 @@ import logging
 import math
 import numbers
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,14 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def progress(it, desc: str, enabled: bool):
+    """`it` behind a tqdm bar on stderr where enabled (rank 0 with train.progress), else as is."""
+    if not enabled:
+        return it
+    from tqdm.auto import tqdm
+    return tqdm(it, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:

@@ -29,13 +29,18 @@ LR = "lr"
 LOSS_SCALE = "fp16/loss_scale"         # fp16-mixed: the dynamic loss scale after the step
 SKIPPED_STEPS = "fp16/skipped_steps"   # fp16-mixed: optimiser steps skipped on an overflow
 RESPONSE_LEN = "response/len_mean"     # mean response length in tokens
-TIME_ROLLOUT = "time/rollout_s"
+TIME_ROLLOUT = "time/rollout_s"        # sampling and rewards
 TIME_OLD_LOGP = "time/old_logp_s"
 TIME_UPDATE = "time/update_s"          # the optimiser steps and the rollout engine's weight sync
 TOKENS_PER_S = "throughput/tokens_per_s"
 STALENESS = "rollout/staleness"        # updates between the sampling weights and the trainer's
 TIME_SAMPLE = "time/sample_s"          # rollout.max_staleness >= 1: sampling, in its own thread
                                        # (time/rollout_s is then the trainer's wait for it)
+IS_WEIGHT_MEAN = "is/weight_mean"       # algorithm.is_correction: its weights' mean over tokens
+IS_WEIGHT_MIN = "is/weight_min"
+IS_WEIGHT_MAX = "is/weight_max"
+IS_MASKED_TOKENS = "is/masked_token_frac"  # ... the fraction of tokens it masked (weight 0)
+IS_MASKED_SEQS = "is/masked_seq_frac"      # ... of sequences with no token left
 MISMATCH = "mismatch/"                 # prefix: trainer vs rollout-engine log-probs
 MOE = "moe/"                           # prefix: router load and expert volatility
 
@@ -57,7 +62,8 @@ def in_row_order(row: dict[str, float]) -> dict[str, float]:
 
 
 OBJECTIVE = {"clip_frac": CLIP_FRAC, "clip_frac_low": CLIP_FRAC_LOW,
-             "clip_frac_high": CLIP_FRAC_HIGH, "kl_old": KL_OLD}
+             "clip_frac_high": CLIP_FRAC_HIGH, "kl_old": KL_OLD,
+             "is_weight_mean": IS_WEIGHT_MEAN, "is_masked_token_frac": IS_MASKED_TOKENS}
 """The token-weighted metrics of gspo.objectives' losses, as the trainer logs them."""
 
 

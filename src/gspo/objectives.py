@@ -323,19 +323,41 @@ class LossSpec:
     token_advantages: bool = False
     """takes (B, T) advantages (needed by algorithm.tis=token)"""
 
-    def __call__(self, *args, **kwargs) -> tuple[Tensor, Metrics]:
-        return self.fn(*args, **kwargs)
+    def __call__(self, logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *,
+                 is_weights: Tensor | None = None, **kwargs) -> tuple[Tensor, Metrics]:
+        """fn's loss and metrics. is_weights: the off-policy correction's weights
+        (`importance_weights`: (B,) per sequence or (B, T) per token, >= 0, constants) that
+        multiply each term of the objective; since a weight w >= 0 commutes with the clipped
+        min, min(s A, clip(s) A) w = min(s (A w), clip(s) (A w)), they weight the advantages.
+        The metrics then also hold is_weight_mean (over tokens), is_weight_min, is_weight_max,
+        is_masked_token_frac and is_masked_seq_frac (weight 0)."""
+        if is_weights is None:
+            return self.fn(logp, old_logp, adv, mask, **kwargs)
+        if is_weights.dim() == 2 and not self.token_advantages:
+            raise ValueError("per-token importance weights need an objective that takes "
+                             "per-token advantages (this one has one advantage per sequence)")
+        if is_weights.dim() == 2:
+            adv = (adv[:, None] if adv.dim() == 1 else adv) * is_weights  # (B, T)
+        else:
+            adv = adv * (is_weights if adv.dim() == 1 else is_weights[:, None])
+        loss, metrics = self.fn(logp, old_logp, adv, mask, **kwargs)
+        return loss, {**metrics, **importance_weight_metrics(is_weights, mask)}
+
+    def settings(self, eps_low: float | None, eps_high: float | None,
+                 aggregation: str | None, max_len: int) -> dict:
+        """The keyword settings `fn` takes beyond the tensors and denom, from the config's
+        values (None: this objective's default clip range and aggregation)."""
+        out = {"eps_low": self.eps_low if eps_low is None else eps_low,
+               "eps_high": self.eps_high if eps_high is None else eps_high}
+        if len(self.aggregations) > 1:
+            out.update(aggregation=aggregation or self.aggregations[0], max_len=max_len)
+        return out
 
     @staticmethod
     def normaliser(aggregation: str) -> str:
         """What the global denominator counts: 'tokens' for token-mean, else 'sequences'."""
         return "tokens" if aggregation == "token-mean" else "sequences"
 
-    def options(self, aggregation: str, max_len: int) -> dict:
-        """The keyword options `fn` takes beyond the shared ones."""
-        if len(self.aggregations) == 1:
-            return {}
-        return {"aggregation": aggregation, "max_len": max_len}
 
 
 OBJECTIVES: dict[str, LossSpec] = {
@@ -358,26 +380,57 @@ def register_objective(name: str, spec: LossSpec) -> None:
 # training engine vs inference engine
 
 
-def truncated_is_weights(logp: Tensor, rollout_logp: Tensor, mask: Tensor, level: str,
-                         cap: float) -> Tensor:
-    """Truncated importance-sampling weights correcting for sampling by another engine.
+IS_CORRECTIONS = ("none", "truncate", "mask")
+IS_LEVELS = ("token", "sequence", "geometric")
 
-    The responses were sampled by the inference engine (rollout_logp) while pi_old is the
-    training engine's recompute (logp). The correction multiplies each term by
-        "token":    w_i,t = min( pi_old(y_i,t) / pi_rollout(y_i,t), cap )           -> (B, T)
-        "sequence": w_i   = min( prod_t pi_old(y_i,t) / pi_rollout(y_i,t), cap )     -> (B,)
-    A constant (no gradient). Padded positions get weight 1.
+
+def importance_weights(logp: Tensor, rollout_logp: Tensor, mask: Tensor, correction: str,
+                       level: str, cap: float, floor: float = 0.0) -> Tensor:
+    """Off-policy correction weights for responses sampled by another engine (or by older
+    weights): the rollout engine's likelihoods (rollout_logp) against the trainer's (logp).
+
+        "token":     w_i,t = pi(y_i,t) / pi_rollout(y_i,t)                      -> (B, T)
+        "sequence":  w_i   = prod_t pi(y_i,t) / pi_rollout(y_i,t)                -> (B,)
+        "geometric": w_i   = (prod_t pi(y_i,t) / pi_rollout(y_i,t))^(1/|y_i|)    -> (B,)
+    correction "truncate": min(max(w, floor), cap) (TIS, truncated importance sampling);
+               "mask":     w where floor <= w <= cap, else 0 (the term leaves the loss).
+    A constant (no gradient). Padded positions get weight 1 (token level). Sequence weights
+    are bounded in log space, so a long response cannot overflow exp before the cap applies.
     """
     mask = _check_inputs(logp, rollout_logp, mask, None, 0.0, 0.0)
-    if cap <= 0:
-        raise ValueError(f"the truncation cap must be > 0, got {cap}")
-    delta = _masked(logp.detach() - rollout_logp.detach(), mask)  # (B, T)
+    if correction not in IS_CORRECTIONS[1:]:
+        raise ValueError(f"unknown correction {correction!r}; use one of {IS_CORRECTIONS[1:]}")
+    if level not in IS_LEVELS:
+        raise ValueError(f"unknown importance-weight level {level!r}; use one of {IS_LEVELS}")
+    if not cap > 0 or not 0 <= floor < cap:
+        raise ValueError(f"the correction's bounds need 0 <= floor < cap, got floor={floor}, "
+                         f"cap={cap}")
+    delta = _masked(logp.detach() - rollout_logp.detach(), mask)  # (B, T) log-ratios
     if level == "token":
-        return torch.exp(delta).clamp(max=cap)
-    if level == "sequence":
-        # clamp the log first so a long sequence cannot overflow exp before the cap applies
-        return torch.exp(delta.sum(-1).clamp(max=math.log(cap)))
-    raise ValueError(f"unknown TIS level {level!r}; use 'token' or 'sequence'")
+        log_w = delta
+    elif level == "sequence":
+        log_w = delta.sum(-1)  # (B,)
+    else:
+        log_w = delta.sum(-1) / mask.sum(-1)  # (B,)
+    log_cap, log_floor = math.log(cap), (math.log(floor) if floor > 0 else -math.inf)
+    if correction == "truncate":
+        return torch.exp(log_w.clamp(min=log_floor, max=log_cap))
+    keep = (log_w <= log_cap) & (log_w >= log_floor)
+    return torch.where(keep, torch.exp(log_w.clamp(max=log_cap)), torch.zeros_like(log_w))
+
+
+def importance_weight_metrics(w: Tensor, mask: Tensor) -> Metrics:
+    """The weights' mean over real tokens, their range and the fractions masked (weight 0):
+    of the tokens, and of the sequences with no token left."""
+    mask = mask.to(w.dtype)
+    w_t = w if w.dim() == 2 else w[:, None].expand_as(mask)  # (B, T)
+    real = mask > 0
+    with torch.no_grad():
+        zero = (w_t == 0) & real
+        return {"is_weight_mean": (w_t * mask).sum() / mask.sum(),
+                "is_weight_min": w_t[real].min(), "is_weight_max": w_t[real].max(),
+                "is_masked_token_frac": zero.sum() / mask.sum(),
+                "is_masked_seq_frac": (zero.sum(-1) == real.sum(-1)).to(w.dtype).mean()}
 
 
 def engine_mismatch(logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> Metrics:

@@ -1,0 +1,385 @@
+"""One RL step, in call order: a producer that samples and scores, a consumer that learns.
+
+    rl_step    produce -> consume, each phase timed and shown to the run's callbacks
+    produce    this rank's share of the step's prompts, G responses to each, decoded and
+               scored (with rollout.max_staleness >= 1 it runs in the sampler's thread, so it
+               holds no collective)
+    consume    group advantages -> pi_old (and pi_ref) -> minibatch updates, each weighted by
+               the off-policy correction (algorithm.is_correction) -> the engine's new
+               weights -> the step's row of metrics
+
+Every function here works on a gspo.run.Run; the loop around the steps (evaluation,
+checkpoints, signals) is gspo.trainer's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import time
+
+import torch
+
+from gspo import metrics as M
+from gspo import precision
+from gspo.async_rollouts import Batch
+from gspo.data import decode_responses, encode_prompts, score
+from gspo.distributed import Dist, as_local, no_sync
+from gspo.engines import Rollouts, SamplingParams
+from gspo.errors import TrainingError
+from gspo.metrics import WeightedMean
+from gspo.objectives import (OBJECTIVES, engine_mismatch, group_advantages, importance_weights,
+                             kl_k3)
+from gspo.run import Run, policy_weights
+from gspo.signals import StopRequest
+
+log = logging.getLogger(__name__)
+
+
+def rl_step(run: Run, step: int, stop: StopRequest | None = None) -> dict[str, float] | None:
+    """One RL step; returns its metrics row, or None when `stop` was requested during the
+    rollout (the step is abandoned before any update)."""
+    t0, times = time.perf_counter(), {}
+    run.callbacks.on_step_begin(run, step)
+    with _phase(run, step, "rollout", times):
+        batch = (run.sampler.take(step) if run.sampler is not None
+                 else produce(run, step, stop))
+    if batch is None or (stop is not None and stop.requested(run.dist)):
+        return None
+    row = consume(run, step, batch, times)
+    row[M.TOKENS_PER_S] = row.pop("tokens") / (time.perf_counter() - t0)
+    row = M.in_row_order(row)
+    run.callbacks.on_step_end(run, step, row)
+    return row
+
+
+@contextlib.contextmanager
+def _phase(run: Run, step: int, name: str, times: dict[str, float]):
+    run.callbacks.on_phase_begin(run, step, name)
+    t0 = time.perf_counter()
+    yield
+    times[name] = time.perf_counter() - t0
+    run.callbacks.on_phase_end(run, step, name, times[name])
+
+
+# --------------------------------------------------------------------------------------------
+# the producer: sample and score
+
+
+def produce(run: Run, step: int, stop: StopRequest | None = None) -> Batch | None:
+    """Step `step`'s batch, sampled from the current weights (the synchronous step). None when
+    `stop` is requested after the sampling (the rewards are not computed)."""
+    t0 = time.perf_counter()
+    rows, rollouts, texts = sample(run, step)
+    run.engine.sleep()  # until the update's push (an engine that sleeps: EngineSettings)
+    rollout_s = time.perf_counter() - t0
+    if stop is not None and stop.requested(run.dist):
+        return None
+    t1 = time.perf_counter()
+    rewards, failures, first_error = score_texts(run, rows, texts)
+    return Batch(rows, rollouts, texts, rewards, failures, first_error, version=step,
+                 rollout_s=rollout_s, reward_s=time.perf_counter() - t1)
+
+
+def sample(run: Run, step: int) -> tuple[list[dict], Rollouts, list[str]]:
+    """This rank's share of step `step`'s prompts, G responses to each, decoded (no
+    collectives: with rollout.max_staleness >= 1 it runs in the sampler's thread)."""
+    r = run.cfg.rollout
+    rows = step_prompts(run.train_rows, step, r.prompts_per_step, run.cfg.train.seed)
+    share = len(rows) // run.dist.world
+    rows = rows[run.dist.rank * share:(run.dist.rank + 1) * share]
+    rollouts = generate(run, rows, step)
+    return rows, rollouts, decode_responses(run.tokenizer, rollouts)
+
+
+def step_prompts(rows: list[dict], step: int, n: int, seed: int) -> list[dict]:
+    """The prompts of RL step `step`: a function of (seed, step) alone, so resume is exact."""
+    rng = random.Random(seed * 1_000_003 + step)
+    return [rows[i] for i in rng.sample(range(len(rows)), min(n, len(rows)))]
+
+
+def generate(run: Run, rows: list[dict], step: int) -> Rollouts:
+    """Sample G responses per prompt (recording the engine's MoE routing when pi_old's is
+    taken from it)."""
+    r = run.cfg.rollout
+    prompts = encode_prompts(run.tokenizer, rows, run.cfg.data.system_prompt or None)
+    params = SamplingParams(r.temperature, r.top_p, r.max_new_tokens)
+    seed = run.cfg.train.seed * 7_919 + step + 1_000_003 * run.dist.rank
+    with run.routing.sampling(len(prompts) * r.group_size):
+        rollouts = run.engine.generate(prompts, n=r.group_size, params=params, seed=seed)
+    run.routing.sampled(rollouts.input_ids.shape[1] - 1, rollouts.routing)
+    return rollouts.to(run.dist.device)  # an engine may hand back host tensors (vLLM)
+
+
+def score_texts(run: Run, rows: list[dict], texts: list[str]):
+    """(rewards, failed calls, the first failure) of the decoded responses to `rows`."""
+    G = run.cfg.rollout.group_size
+    return score(run.reward_fn, texts, [row for row in rows for _ in range(G)],
+                 timeout=run.cfg.data.reward_fn_timeout or None)
+
+
+# --------------------------------------------------------------------------------------------
+# the consumer: advantages, pi_old, updates, metrics
+
+
+def consume(run: Run, step: int, batch: Batch, times: dict[str, float]) -> dict[str, float]:
+    """Learn from `batch`: advantages, pi_old, the minibatch updates and the engine's (or the
+    sampler's) new weights; returns the step's metrics, reduced over ranks, with "tokens" (the
+    step's response tokens) for the caller's throughput."""
+    cfg, d = run.cfg, run.dist
+    rollouts = batch.rollouts
+    # ---- group advantages
+    n, failures = check_reward_failures(run, step, len(batch.rewards), batch.reward_failures,
+                                        batch.first_error)
+    rewards = torch.tensor(batch.rewards, device=d.device)  # (B,)
+    adv = group_advantages(rewards, cfg.rollout.group_size, cfg.algorithm.advantage_scale)
+    # ---- pi_old (and pi_ref)
+    with _phase(run, step, "old_logp", times):
+        old_logp, entropy, mismatch = old_policy(run, rollouts, step)
+        ref_logp = (policy_logprobs(run.ref_policy, rollouts, cfg.rollout.temperature,
+                                    run.micro, cfg.model.logprob_chunk_size)
+                    if run.ref_policy else None)
+    # ---- minibatch updates, then the new weights to whoever samples next
+    with _phase(run, step, "update", times):
+        m = update(run, rollouts, old_logp, ref_logp, adv)
+        if run.sampler is None:
+            run.engine.load_weights(policy_weights(run.policy, run.model))
+        else:  # version step + 1, for the batch of step + 1 + max_staleness
+            run.sampler.publish(step + 1, policy_weights(run.policy, run.model))
+    m.update(run.routing.step_metrics(
+        lambda route: policy_logprobs(run.policy, rollouts, cfg.rollout.temperature, run.micro,
+                                      cfg.model.logprob_chunk_size, route=route),
+        rollouts.response_mask, rollouts.input_ids.shape[1] - 1, d))
+    # ---- metrics (over this step's completions and tokens on every rank)
+    mask = rollouts.response_mask
+    totals = WeightedMean()
+    totals.add_total(M.REWARD_MEAN, rewards.sum(), len(rewards))
+    totals.add_total(M.ENTROPY, (entropy * mask).sum(), mask.sum())
+    totals.add_total(M.RESPONSE_LEN, mask.sum(), len(rewards))
+    totals.add_sum("squares", (rewards ** 2).sum())
+    totals.add_sum("tokens", mask.sum())
+    row = totals.result(d)
+    r_mean, r_sq = row[M.REWARD_MEAN], row.pop("squares")
+    row[M.REWARD_STD] = math.sqrt(max(0.0, (r_sq - n * r_mean ** 2) / max(1.0, n - 1)))
+    warn_constant_reward(run, row[M.REWARD_STD], step)
+    row.update(m, **mismatch)
+    if run.sampler is not None:
+        row.update({M.STALENESS: step - batch.version, M.TIME_SAMPLE: batch.rollout_s})
+    row.update({M.REWARD_FAILURES: int(failures), M.LR: run.scheduler.get_last_lr()[0],
+                M.TIME_ROLLOUT: times["rollout"], M.TIME_OLD_LOGP: times["old_logp"],
+                M.TIME_UPDATE: times["update"]})
+    return row
+
+
+REWARD_WINDOW = 10  # RL steps over which data.max_reward_failures is judged
+CONSTANT_REWARD_STEPS = 5  # steps of identical rewards after which the run warns
+
+
+def check_reward_failures(run: Run, step: int, n: int, failures: int, first: str | None
+                          ) -> tuple[float, float]:
+    """Stop the run when its reward cannot be trusted: every completion of the first step
+    failed (a missing package, a wrong field name), or more than data.max_reward_failures of
+    the last REWARD_WINDOW steps' completions did. Returns (completions, failures) summed over
+    ranks."""
+    n, failures = run.dist.sum([n, failures])
+    window = run.reward_window
+    window.append((n, failures))
+    del window[:-REWARD_WINDOW]
+    limit = run.cfg.data.max_reward_failures
+    seen, failed = (sum(x) for x in zip(*window))
+    first_step = step == run.start_step and failures == n > 0
+    if limit < 1 and (first_step or (len(window) == REWARD_WINDOW and failed > limit * seen)):
+        where = "of the first RL step" if first_step else f"of the last {REWARD_WINDOW} RL steps"
+        raise TrainingError(f"the reward {run.record['reward']} failed on {int(failed)} of "
+                            f"{int(seen)} completions "
+                            f"{where} (first error: {first or 'on another rank'}); fix the "
+                            f"reward function, or raise data.max_reward_failures (now {limit:g})")
+    return n, failures
+
+
+def warn_constant_reward(run: Run, r_std: float, step: int) -> None:
+    """Say once per streak when every reward of CONSTANT_REWARD_STEPS steps was the same: the
+    advantages are all 0 and nothing is learned."""
+    run.constant_reward_steps = run.constant_reward_steps + 1 if r_std <= 1e-9 else 0
+    if run.constant_reward_steps == CONSTANT_REWARD_STEPS:
+        log.warning("every reward of RL steps %d-%d was the same: the group advantages are 0 and "
+                    "the policy does not learn; check the reward function and the data",
+                    step - CONSTANT_REWARD_STEPS + 2, step + 1)
+
+
+def old_policy(run: Run, r: Rollouts, step: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """pi_old's per-token log-probs, the per-token entropy, and engine-mismatch metrics.
+
+    recompute: a no-grad forward of the training model (recording MoE routing for replay);
+    rollout:   the sampler's own log-probs, with no forward pass, except every
+               `mismatch_every` steps a recompute only to measure the mismatch. The entropy
+               is then estimated as -logp of the sampled tokens (unbiased for the sampler's).
+    """
+    a, chunk, temp = run.cfg.algorithm, run.cfg.model.logprob_chunk_size, run.cfg.rollout.temperature
+    use_rollout = a.old_logprobs == "rollout"
+    monitor = use_rollout and a.mismatch_every > 0 and step % a.mismatch_every == 0
+    metrics = {}
+    if not use_rollout or monitor:
+        # pi_old's MoE routing, recorded here unless the engine recorded it as it sampled
+        B, L = r.input_ids.shape
+        route = run.routing.recording(B, L - 1)
+        train_logp, entropy = policy_logprobs(run.policy, r, temp, run.micro, chunk, True,
+                                              route=route)
+        mismatch = engine_mismatch(train_logp, r.logp, r.response_mask)
+        mismatch = reduce_mismatch({k: float(v) for k, v in mismatch.items()}, r, run.dist)
+        metrics = {M.MISMATCH + k: v for k, v in mismatch.items()}
+    if use_rollout:
+        return r.logp, -r.logp, metrics
+    return train_logp, entropy, metrics
+
+
+@torch.no_grad()
+def policy_logprobs(policy, r: Rollouts, temperature: float, micro: int, chunk: int,
+                    with_entropy: bool = False, route=None):
+    """Per-token log-probs (and entropies) of the responses under `policy` (a Policy, possibly
+    wrapped by DDP or sharded), no gradient.
+
+    route: optional `rows -> context manager` (a RoutingRecorder's record), entered around
+    each micro-batch so that MoE routing is recorded per row.
+    """
+    outs = []
+    for rows in torch.arange(r.response_ids.shape[0]).split(micro):
+        with route(rows) if route else contextlib.nullcontext():
+            outs.append(policy(r.input_ids[rows], r.attention_mask[rows],
+                               r.response_ids.shape[1], temperature, chunk, with_entropy,
+                               share_prompts=route is None))
+    if not with_entropy:
+        return torch.cat(outs)
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])  # (B, T) each
+
+
+def reduce_mismatch(m: dict[str, float], r: Rollouts, d: Dist) -> dict[str, float]:
+    """engine_mismatch's means weighted over ranks (tokens, sequences), its maxes maxed."""
+    w = WeightedMean()
+    w.add("token_abs_mean", m["token_abs_mean"], float(r.response_mask.sum()))
+    w.add("seq_log_ratio_mean", m["seq_log_ratio_mean"], float(r.response_mask.shape[0]))
+    w.add_max("token_abs_max", m["token_abs_max"])
+    w.add_max("seq_log_ratio_abs_max", m["seq_log_ratio_abs_max"])
+    out = w.result(d)
+    return {k: out[k] for k in m}  # engine_mismatch's order
+
+
+def update(run: Run, r: Rollouts, old_logp, ref_logp, adv) -> dict[str, float]:
+    """`minibatches` optimiser steps over this rank's rollout rows; returns metrics reduced
+    over ranks (token-weighted means, global min / max).
+
+    Every loss is divided by the GLOBAL count of its minibatch (sequences, or tokens for
+    token-mean) and multiplied by the world size, so that DDP's gradient average over ranks of
+    the micro-batch sums is exactly the full-batch gradient. With algorithm.routing_replay the
+    forwards replay pi_old's recorded MoE routing."""
+    cfg, d = run.cfg, run.dist
+    objective = OBJECTIVES[cfg.algorithm.name]
+    token_mean = objective.normaliser(cfg.algorithm.aggregation) == "tokens"
+    T, mask = r.response_ids.shape[1], r.response_mask
+    stats = WeightedMean()
+    grad_norms, losses, skipped = [], [], 0
+    run.model.train()
+    for mb in minibatches(run, r.response_ids.shape[0]):
+        # the global normaliser of this optimiser step, shared by all its micro-batches
+        denom = d.sum([float(mask[mb].sum())])[0] if token_mean else float(len(mb) * d.world)
+        run.optimizer.zero_grad(set_to_none=True)
+        mb_loss, bad = 0.0, None
+        parts = mb.split(run.micro)
+        for i, idx in enumerate(parts):
+            with (run.routing.replaying(idx),
+                  no_sync(run.policy, skip=i < len(parts) - 1)):
+                logp = run.policy(r.input_ids[idx], r.attention_mask[idx], T,
+                                  cfg.rollout.temperature, cfg.model.logprob_chunk_size,
+                                  share_prompts=not run.routing.replays)
+                loss, metrics = micro_loss(run, r, idx, logp, old_logp, ref_logp, adv, denom,
+                                           float(len(mb) * d.world))
+                if bad is None and not torch.isfinite(loss):
+                    bad = (float(loss.detach()), dict(metrics))
+                precision.backward(loss * d.world, run.scaler)
+            mb_loss += float(loss.detach())
+            add_loss_metrics(stats, metrics, mask[idx])
+        _check_loss(bad, d)  # before the optimiser step: a non-finite loss changes no weight
+        norm = float(as_local(precision.step(run.optimizer, run.model.parameters(),
+                                             cfg.optim.grad_clip, run.scaler)))
+        if math.isfinite(norm):  # fp16-mixed: an overflowed step was skipped, the scale lowered
+            grad_norms.append(norm)
+        else:
+            skipped += 1
+        run.scheduler.step()
+        losses.append(mb_loss)
+    # the gradients are not needed until the next step: free them for the rollout and pi_old
+    run.optimizer.zero_grad(set_to_none=True)
+    stats.add_sum(M.LOSS, sum(losses) / len(losses))  # each loss is global-normalised
+    out = stats.result(d)
+    # after the all-reduce: the same on all ranks
+    out[M.GRAD_NORM] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+    if run.scaler is not None:
+        out[M.LOSS_SCALE] = float(run.scaler.get_scale())
+        out[M.SKIPPED_STEPS] = skipped
+    return out
+
+
+def minibatches(run: Run, B: int) -> list[torch.Tensor]:
+    """A random partition of the B rows into algorithm.minibatches index tensors."""
+    G, size = run.cfg.rollout.group_size, B // run.cfg.algorithm.minibatches
+    if size % G == 0:
+        # minibatches of whole groups: a random partition still, and the G rows of a group
+        # share their prompt's forward in token_logprobs (measured 0.218 -> 0.168 s per step)
+        groups = torch.randperm(B // G, generator=run.gen)
+        order = (groups[:, None] * G + torch.arange(G)).flatten()
+    else:
+        order = torch.randperm(B, generator=run.gen)
+    return list(order.split(size))
+
+
+def micro_loss(run: Run, r: Rollouts, idx, logp, old_logp, ref_logp, adv, denom: float,
+               sequences: float) -> tuple[torch.Tensor, dict]:
+    """The loss of rows `idx` (logp: their forward): the objective with its settings and the
+    off-policy correction's weights, plus the KL penalty when algorithm.beta > 0. denom: the
+    objective's global normaliser; sequences: the minibatch's global sequence count (the
+    KL's)."""
+    a, mask = run.cfg.algorithm, r.response_mask[idx]
+    objective = OBJECTIVES[a.name]
+    weights = None
+    if a.is_correction != "none":
+        # between the engine that sampled and the trainer: pi_old where it was recomputed,
+        # else the current policy (exact at the first minibatch, no recompute pass)
+        trainer_logp = old_logp[idx] if a.old_logprobs == "recompute" else logp.detach()
+        weights = importance_weights(trainer_logp, r.logp[idx], mask, a.is_correction,
+                                     a.is_level, a.is_cap, a.is_floor)
+    loss, metrics = objective(logp, old_logp[idx], adv[idx], mask, denom=denom,
+                              is_weights=weights,
+                              **objective.settings(a.eps_low, a.eps_high, a.aggregation,
+                                                   run.cfg.rollout.max_new_tokens))
+    if a.beta > 0:
+        loss = loss + a.beta * kl_k3(logp, ref_logp[idx], mask).sum() / sequences
+    return loss, metrics
+
+
+def add_loss_metrics(stats: WeightedMean, metrics: dict, mask: torch.Tensor) -> None:
+    """A micro-batch's objective metrics into the step's: ratio_mean weighted by what it
+    averages over, the extremes as extremes, sequence fractions by sequences, the rest (token
+    fractions, kl_old, the correction's mean weight) by tokens."""
+    stats.add(M.RATIO_MEAN, metrics.pop("ratio_mean"), metrics.pop("ratio_count"))
+    stats.add_min(M.RATIO_MIN, metrics.pop("ratio_min"))
+    stats.add_max(M.RATIO_MAX, metrics.pop("ratio_max"))
+    if "is_weight_min" in metrics:
+        stats.add_min(M.IS_WEIGHT_MIN, metrics.pop("is_weight_min"))
+        stats.add_max(M.IS_WEIGHT_MAX, metrics.pop("is_weight_max"))
+        stats.add(M.IS_MASKED_SEQS, metrics.pop("is_masked_seq_frac"), mask.shape[0])
+    n_tokens = float(mask.sum())
+    for k, v in metrics.items():
+        stats.add(M.OBJECTIVE.get(k, k), v, n_tokens)
+
+
+def _check_loss(bad: tuple[float, dict] | None, d: Dist) -> None:
+    """Stop on a non-finite loss on any rank (all ranks stop together, none hangs): one
+    all-reduce per minibatch. bad: this rank's first non-finite loss and its metrics."""
+    if d.sum([0.0 if bad is None else 1.0])[0]:
+        loss, metrics = bad if bad is not None else (float("nan"), {})
+        raise TrainingError(f"non-finite loss {loss} (metrics: "
+                            f"{ {k: round(float(v), 4) for k, v in metrics.items()} }"
+                            f"{'' if bad is not None else ' on another rank'}); lower "
+                            f"optim.lr or check the rewards; the last finished checkpoint is kept")
