@@ -94,3 +94,12 @@ def test_the_readme_layout_matches_the_package_tree():
             if (p.suffix == ".py" and p.name != "__main__.py") or (p / "__init__.py").is_file()}
     assert sorted(tree - listed) == [], "modules missing from the README's Layout section"
     assert sorted(listed - tree) == [], "the README's Layout section lists what is not there"
+
+
+def test_the_readme_callback_example_prints_every_phase_of_every_step(tmp_path):
+    code = _readme_python_blocks()[2]
+    assert "callbacks=[" in code
+    out = _run(code, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = [line.split(":")[0] for line in out.stdout.splitlines()]
+    assert said == [f"step {s} {p}" for s in (0, 1) for p in ("rollout", "old_logp", "update")]
