@@ -275,3 +275,18 @@ def test_train_help_says_what_the_dry_run_only_warns_about():
     from gspo.cli import _train_parser
     text = " ".join(_train_parser().format_help().split())
     assert "--dry-run" in text and "a GPU recipe can be checked on a laptop" in text
+
+
+def test_the_report_names_the_objective_and_the_switches_that_are_on():
+    out = io.StringIO()
+    dry_run(load_config(overrides=["algorithm=grpo", "algorithm.overlong=soft_penalty",
+                                   "rollout.max_new_tokens=12", "algorithm.is_correction=mask",
+                                   "algorithm.is_level=token", "algorithm.is_cap=3"]), out=out)
+    line = next(x for x in out.getvalue().splitlines() if x.startswith("objective"))
+    assert line == ("objective   grpo, clip [1 - 0.2, 1 + 0.27], seq-mean-token-mean; pi_old "
+                    "recompute; is_correction=mask (token, weights in [0, 3]); "
+                    "overlong=soft_penalty (-1 over the last 3 tokens)")
+    out = io.StringIO()
+    dry_run(load_config(), out=out)
+    assert "objective   gspo, clip [1 - 0.0003, 1 + 0.0004], seq-mean-token-mean; pi_old " \
+           "recompute\n" in out.getvalue()

@@ -240,6 +240,14 @@ class AlgorithmConfig:
     tis_cap: float = _f(2.0, "retired alias of is_cap (with tis)", gt=0)
     routing_replay: bool = _f(False, "MoE: record the experts chosen under pi_old and force "
                               "them when computing pi_theta (GRPO needs it, GSPO should not)")
+    overlong: str = _f("none", "responses cut at rollout.max_new_tokens: none | mask (they "
+                       "leave the loss, DAPO's overlong filtering) | soft_penalty (DAPO's length "
+                       "penalty: from 0 to -overlong_penalty over the last overlong_buffer "
+                       "tokens of the budget, added to the reward)",
+                       choices=("none", "mask", "soft_penalty"))
+    overlong_buffer: int = _f(0, "soft_penalty: the tokens before rollout.max_new_tokens over "
+                              "which the penalty grows (0 = a quarter of max_new_tokens)", ge=0)
+    overlong_penalty: float = _f(1.0, "soft_penalty: the penalty at max_new_tokens", ge=0)
 
 
 @dataclass
@@ -501,6 +509,10 @@ def resolve(cfg: Config) -> Config:
                           f"group_size {r.group_size}) is not divisible by algorithm.minibatches "
                           f"{a.minibatches}")
     _fold_tis(a)
+    if a.overlong == "soft_penalty" and a.overlong_buffer >= r.max_new_tokens:
+        raise ConfigError(f"algorithm.overlong_buffer={a.overlong_buffer} must be below "
+                          f"rollout.max_new_tokens={r.max_new_tokens} (the penalty starts that "
+                          f"many tokens before the budget ends)")
     if a.is_correction != "none" and a.is_level == "token" and not spec.token_advantages:
         raise ConfigError(f"algorithm.is_level=token gives per-token weights, but {a.name} has "
                           f"one advantage per sequence; use is_level=sequence or geometric, or "

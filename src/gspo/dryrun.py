@@ -189,6 +189,23 @@ def _size(b: float) -> str:
     return f"{b / GIB:8.2f} GiB" if b >= GIB / 10 else f"{b / 2 ** 20:8.1f} MiB"
 
 
+def objective_line(cfg: Config) -> str:
+    """The objective, its clip range and aggregation, and the switches around it that are on."""
+    a = cfg.algorithm
+    on = [f"pi_old {a.old_logprobs}"]
+    if a.is_correction != "none":
+        on.append(f"is_correction={a.is_correction} ({a.is_level}, weights in "
+                  f"[{a.is_floor:g}, {a.is_cap:g}])")
+    if a.overlong != "none":
+        buffer = a.overlong_buffer or cfg.rollout.max_new_tokens // 4
+        on.append(f"overlong={a.overlong}" + (f" (-{a.overlong_penalty:g} over the last {buffer} "
+                                              f"tokens)" if a.overlong == "soft_penalty" else ""))
+    if a.beta > 0:
+        on.append(f"KL beta={a.beta:g}")
+    return (f"{a.name}, clip [1 - {a.eps_low:g}, 1 + {a.eps_high:g}], {a.aggregation}; "
+            + "; ".join(on))
+
+
 def print_report(cfg: Config, f: dict, model, tokenizer, sample: str, measured: int,
                  warnings: list[str], out: TextIO) -> None:
     r, a, m = cfg.rollout, cfg.algorithm, f["memory"]
@@ -215,6 +232,7 @@ def print_report(cfg: Config, f: dict, model, tokenizer, sample: str, measured: 
         f"step; per rank {r.prompts_per_step // world} x {r.group_size} = {seqs // world:,}; "
         f"{a.minibatches} minibatches of {seqs // a.minibatches:,} ({seqs // world // a.minibatches:,} "
         f"per rank)",
+        f"objective   {objective_line(cfg)}",
         f"tokens      per sequence <= {per_seq:,} = prompt <= {f['prompt_tokens_max']:,} "
         f"(mean {f['prompt_tokens_mean']:.0f}, {measured:,} prompts measured) + "
         f"max_new_tokens {r.max_new_tokens:,}; per step <= {seqs * per_seq:,} "

@@ -29,6 +29,9 @@ LR = "lr"
 LOSS_SCALE = "fp16/loss_scale"         # fp16-mixed: the dynamic loss scale after the step
 SKIPPED_STEPS = "fp16/skipped_steps"   # fp16-mixed: optimiser steps skipped on an overflow
 RESPONSE_LEN = "response/len_mean"     # mean response length in tokens
+TRUNCATED = "response/truncated_frac"  # the fraction cut at rollout.max_new_tokens (no stop token)
+OVERLONG_PENALTY = "reward/overlong_penalty"  # algorithm.overlong=soft_penalty: its mean (<= 0),
+                                       # added to the reward the advantages see (not reward/mean)
 TIME_ROLLOUT = "time/rollout_s"        # sampling and rewards
 TIME_OLD_LOGP = "time/old_logp_s"
 TIME_UPDATE = "time/update_s"          # the optimiser steps and the rollout engine's weight sync
@@ -48,7 +51,7 @@ MOE = "moe/"                           # prefix: router load and expert volatili
 EVAL_ACCURACY = "eval/accuracy"        # avg@k
 ROW_ORDER = (REWARD_MEAN, REWARD_STD, REWARD_FAILURES, LOSS, CLIP_FRAC, CLIP_FRAC_LOW,
              CLIP_FRAC_HIGH, RATIO_MEAN, RATIO_MIN, RATIO_MAX, KL_OLD, ENTROPY, GRAD_NORM, LR,
-             RESPONSE_LEN, TIME_ROLLOUT, TIME_OLD_LOGP, TIME_UPDATE, TOKENS_PER_S)
+             RESPONSE_LEN, TRUNCATED, TIME_ROLLOUT, TIME_OLD_LOGP, TIME_UPDATE, TOKENS_PER_S)
 """The order of a step's row in metrics.jsonl; then mismatch/*, moe/* and any other."""
 
 

@@ -117,6 +117,22 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group") -> 
     return adv.flatten()
 
 
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float = 1.0
+                     ) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al., arXiv 2503.14476, eq. 13), added to the
+    reward of each response of |y| tokens with a budget of max_len and a buffer of L_c:
+
+        R_len(y) = 0                                      |y| <= max_len - L_c
+                 = penalty * ((max_len - L_c) - |y|) / L_c  max_len - L_c < |y| <= max_len
+                 = -penalty                               |y| > max_len
+
+    lengths (B,); returns (B,) float32, <= 0."""
+    if not 0 < buffer < max_len:
+        raise ValueError(f"the overlong buffer must be in (0, {max_len}), got {buffer}")
+    over = (lengths.float() - (max_len - buffer)).clamp(min=0, max=buffer)  # (B,)
+    return -penalty * over / buffer
+
+
 def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """Length-normalised sequence log-likelihood ratio, log s_i.
 

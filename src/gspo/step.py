@@ -27,11 +27,11 @@ from gspo import precision
 from gspo.async_rollouts import Batch
 from gspo.data import decode_responses, encode_prompts, score
 from gspo.distributed import Dist, as_local, no_sync
-from gspo.engines import Rollouts, SamplingParams
+from gspo.engines import Rollouts, SamplingParams, stop_token_ids
 from gspo.errors import TrainingError
 from gspo.metrics import WeightedMean
 from gspo.objectives import (OBJECTIVES, engine_mismatch, group_advantages, importance_weights,
-                             kl_k3)
+                             kl_k3, overlong_penalty)
 from gspo.run import Run, policy_weights
 from gspo.signals import StopRequest
 
@@ -134,7 +134,18 @@ def consume(run: Run, step: int, batch: Batch, times: dict[str, float]) -> dict[
     n, failures = check_reward_failures(run, step, len(batch.rewards), batch.reward_failures,
                                         batch.first_error)
     rewards = torch.tensor(batch.rewards, device=d.device)  # (B,)
-    adv = group_advantages(rewards, cfg.rollout.group_size, cfg.algorithm.advantage_scale)
+    # ---- responses cut at the budget: a length penalty on the reward, or out of the loss
+    cut = truncated(rollouts, stop_token_ids(run.model, run.tokenizer),
+                    cfg.rollout.max_new_tokens)  # (B,) bool
+    trained, penalty = rewards, None
+    if cfg.algorithm.overlong == "soft_penalty":
+        a = cfg.algorithm
+        penalty = overlong_penalty(rollouts.response_lengths, cfg.rollout.max_new_tokens,
+                                   a.overlong_buffer or cfg.rollout.max_new_tokens // 4,
+                                   a.overlong_penalty).to(rewards.dtype)
+        trained = rewards + penalty
+    keep = ~cut if cfg.algorithm.overlong == "mask" else None
+    adv = group_advantages(trained, cfg.rollout.group_size, cfg.algorithm.advantage_scale)
     # ---- pi_old (and pi_ref)
     with _phase(run, step, "old_logp", times):
         old_logp, entropy, mismatch = old_policy(run, rollouts, step)
@@ -143,7 +154,7 @@ def consume(run: Run, step: int, batch: Batch, times: dict[str, float]) -> dict[
                     if run.ref_policy else None)
     # ---- minibatch updates, then the new weights to whoever samples next
     with _phase(run, step, "update", times):
-        m = update(run, rollouts, old_logp, ref_logp, adv)
+        m = update(run, rollouts, old_logp, ref_logp, adv, keep)
         if run.sampler is None:
             run.engine.load_weights(policy_weights(run.policy, run.model))
         else:  # version step + 1, for the batch of step + 1 + max_staleness
@@ -158,6 +169,9 @@ def consume(run: Run, step: int, batch: Batch, times: dict[str, float]) -> dict[
     totals.add_total(M.REWARD_MEAN, rewards.sum(), len(rewards))
     totals.add_total(M.ENTROPY, (entropy * mask).sum(), mask.sum())
     totals.add_total(M.RESPONSE_LEN, mask.sum(), len(rewards))
+    totals.add_total(M.TRUNCATED, cut.sum(), len(rewards))
+    if penalty is not None:
+        totals.add_total(M.OVERLONG_PENALTY, penalty.sum(), len(rewards))
     totals.add_sum("squares", (rewards ** 2).sum())
     totals.add_sum("tokens", mask.sum())
     row = totals.result(d)
@@ -171,6 +185,15 @@ def consume(run: Run, step: int, batch: Batch, times: dict[str, float]) -> dict[
                 M.TIME_ROLLOUT: times["rollout"], M.TIME_OLD_LOGP: times["old_logp"],
                 M.TIME_UPDATE: times["update"]})
     return row
+
+
+def truncated(r: Rollouts, stop_ids: list[int], max_new_tokens: int) -> torch.Tensor:
+    """(B,) bool: the responses cut at the budget, max_new_tokens long without a stop token at
+    the end."""
+    lengths = r.response_lengths  # (B,)
+    last = r.response_ids.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]  # (B,)
+    stops = torch.isin(last, torch.tensor(stop_ids, device=last.device))
+    return (lengths >= max_new_tokens) & ~stops
 
 
 REWARD_WINDOW = 10  # RL steps over which data.max_reward_failures is judged
@@ -266,9 +289,11 @@ def reduce_mismatch(m: dict[str, float], r: Rollouts, d: Dist) -> dict[str, floa
     return {k: out[k] for k in m}  # engine_mismatch's order
 
 
-def update(run: Run, r: Rollouts, old_logp, ref_logp, adv) -> dict[str, float]:
+def update(run: Run, r: Rollouts, old_logp, ref_logp, adv, keep=None) -> dict[str, float]:
     """`minibatches` optimiser steps over this rank's rollout rows; returns metrics reduced
-    over ranks (token-weighted means, global min / max).
+    over ranks (token-weighted means, global min / max). keep: (B,) bool, the rows that stay
+    in the loss (algorithm.overlong=mask); the others carry no advantage and no KL, and leave
+    the denominators.
 
     Every loss is divided by the GLOBAL count of its minibatch (sequences, or tokens for
     token-mean) and multiplied by the world size, so that DDP's gradient average over ranks of
@@ -281,9 +306,15 @@ def update(run: Run, r: Rollouts, old_logp, ref_logp, adv) -> dict[str, float]:
     stats = WeightedMean()
     grad_norms, losses, skipped = [], [], 0
     run.model.train()
+    rows = torch.ones(len(adv), device=adv.device) if keep is None else keep.to(adv.dtype)
+    adv = adv * (rows if adv.dim() == 1 else rows[:, None])
     for mb in minibatches(run, r.response_ids.shape[0]):
-        # the global normaliser of this optimiser step, shared by all its micro-batches
-        denom = d.sum([float(mask[mb].sum())])[0] if token_mean else float(len(mb) * d.world)
+        # the global normalisers of this optimiser step, shared by all its micro-batches:
+        # sequences (the KL's, and the objective's unless token-mean) and tokens
+        sequences = (float(len(mb) * d.world) if keep is None
+                     else max(1.0, d.sum([float(rows[mb].sum())])[0]))
+        denom = (max(1.0, d.sum([float((mask[mb] * rows[mb, None]).sum())])[0]) if token_mean
+                 else sequences)
         run.optimizer.zero_grad(set_to_none=True)
         mb_loss, bad = 0.0, None
         parts = mb.split(run.micro)
@@ -294,7 +325,7 @@ def update(run: Run, r: Rollouts, old_logp, ref_logp, adv) -> dict[str, float]:
                                   cfg.rollout.temperature, cfg.model.logprob_chunk_size,
                                   share_prompts=not run.routing.replays)
                 loss, metrics = micro_loss(run, r, idx, logp, old_logp, ref_logp, adv, denom,
-                                           float(len(mb) * d.world))
+                                           sequences, rows[idx])
                 if bad is None and not torch.isfinite(loss):
                     bad = (float(loss.detach()), dict(metrics))
                 precision.backward(loss * d.world, run.scaler)
@@ -335,11 +366,11 @@ def minibatches(run: Run, B: int) -> list[torch.Tensor]:
 
 
 def micro_loss(run: Run, r: Rollouts, idx, logp, old_logp, ref_logp, adv, denom: float,
-               sequences: float) -> tuple[torch.Tensor, dict]:
+               sequences: float, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """The loss of rows `idx` (logp: their forward): the objective with its settings and the
     off-policy correction's weights, plus the KL penalty when algorithm.beta > 0. denom: the
     objective's global normaliser; sequences: the minibatch's global sequence count (the
-    KL's)."""
+    KL's); rows: 1 for the rows that stay in the loss, 0 for the others."""
     a, mask = run.cfg.algorithm, r.response_mask[idx]
     objective = OBJECTIVES[a.name]
     weights = None
@@ -354,7 +385,7 @@ def micro_loss(run: Run, r: Rollouts, idx, logp, old_logp, ref_logp, adv, denom:
                               **objective.settings(a.eps_low, a.eps_high, a.aggregation,
                                                    run.cfg.rollout.max_new_tokens))
     if a.beta > 0:
-        loss = loss + a.beta * kl_k3(logp, ref_logp[idx], mask).sum() / sequences
+        loss = loss + a.beta * (kl_k3(logp, ref_logp[idx], mask) * rows).sum() / sequences
     return loss, metrics
 
 
