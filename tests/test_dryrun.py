@@ -290,3 +290,18 @@ def test_the_report_names_the_objective_and_the_switches_that_are_on():
     dry_run(load_config(), out=out)
     assert "objective   gspo, clip [1 - 0.0003, 1 + 0.0004], seq-mean-token-mean; pi_old " \
            "recompute\n" in out.getvalue()
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["algorithm.eps_low=0.2", "algorithm.eps_high=0.28"],
+     ["algorithm.eps_low=0.2 is 667x gspo's own clip range (0.0003)",
+      "algorithm.eps_high=0.28 is 700x gspo's own clip range (0.0004)"]),
+    (["algorithm=grpo", "algorithm.eps_high=4e-4"],
+     ["algorithm.eps_high=0.0004 is 1/675 of grpo's own clip range (0.27)"]),
+    (["algorithm.eps_high=1e-3"], []),  # a few times the paper's: fine
+])
+def test_a_clip_range_far_from_the_objectives_own_is_warned(overrides, words):
+    out = io.StringIO()
+    dry_run(load_config(overrides=overrides), out=out)
+    warned = [x for x in out.getvalue().splitlines() if x.startswith("warning: algorithm.eps")]
+    assert [w.split(":")[1].strip() for w in warned] == words

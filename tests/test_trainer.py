@@ -194,3 +194,12 @@ def test_a_prompt_longer_than_the_context_fails_or_is_skipped_before_any_allocat
         train(load_config(overrides=args), tmp_path / "fail")
     summary = train(load_config(overrides=args + ["data.on_bad_row=skip"]), tmp_path / "skip")
     assert summary.steps == 2
+
+
+def test_a_run_with_grpos_clip_range_on_gspo_says_so(tmp_path, tiny_overrides, caplog):
+    cfg = load_config(overrides=tiny_overrides + ["algorithm.eps_high=0.28", "train.steps=1",
+                                                  "train.eval_every=0"])
+    with caplog.at_level("WARNING", logger="gspo.trainer"):
+        train(cfg, tmp_path / "run")
+    assert [r.message.split(":")[0] for r in caplog.records if "clip range" in r.message] == [
+        "algorithm.eps_high=0.28 is 700x gspo's own clip range (0.0004)"]

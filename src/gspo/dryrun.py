@@ -35,7 +35,7 @@ from gspo.errors import ConfigError
 from gspo.rewards import close_reward
 from gspo.runlock import check_run_dir
 from gspo.tasks import get_task
-from gspo.preflight import data_parallel_mode, preflight
+from gspo.preflight import data_parallel_mode, preflight, setting_warnings
 
 GIB = 2 ** 30
 MAX_MEASURED = 2000  # prompts tokenized for the token budget (a seeded sample of larger sets)
@@ -71,7 +71,7 @@ def dry_run(cfg: Config, world: int | None = None, run_dir: str | Path | None = 
         "prompt_tokens_max": prompt_max, "prompt_tokens_mean": prompt_mean,
         "memory": memory_estimate(model, cfg, world, mode, prompt_max),
     }
-    warnings += capacity_warning(cfg, figures["memory"])
+    warnings += capacity_warning(cfg, figures["memory"]) + setting_warnings(cfg)
     print_report(cfg, figures, model, tokenizer, sample, measured, warnings, out)
     return figures
 

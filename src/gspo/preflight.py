@@ -9,7 +9,8 @@ and `dry_run` (`gspo train --dry-run`, which stops after it):
     fitting_prompts     every prompt leaves room for the response in the model's context
     check_launch        again, with the row counts
 
-`preflight` runs that sequence once for both.
+`preflight` runs that sequence once for both; `setting_warnings` names the settings known to
+fail, for both to say.
 """
 
 from __future__ import annotations
@@ -91,6 +92,33 @@ def preflight(cfg: Config, run_dir: Path | None, resume: bool, world: int, *,
         raise
     return Preflight(ckpt, record, train_rows, eval_rows, reward, solution, what_it_is, model,
                      tokenizer, bad_rows)
+
+
+CLIP_RANGE_FACTOR = 30  # a clip range this many times off the objective's own is a mistake
+
+
+def setting_warnings(cfg: Config) -> list[str]:
+    """Settings that run but are known to fail, one line each: a clip range far from the
+    objective's own (GSPO given GRPO's 0.2: its length-normalised sequence ratio stays within
+    ~1e-3 of 1, so nothing is ever clipped and the update is unbounded, the misconfiguration
+    peers' users hit, trl#3834; GRPO given GSPO's 3e-4: almost every token is clipped and
+    carries no gradient). A token-sum aggregation of a sequence ratio (ROLL#165) cannot be
+    configured: a sequence objective takes its one aggregation (gspo.objectives.LossSpec)."""
+    from gspo.objectives import OBJECTIVES
+
+    a, spec, out = cfg.algorithm, OBJECTIVES[cfg.algorithm.name], []
+    for side, eps, own in (("eps_low", a.eps_low, spec.eps_low),
+                           ("eps_high", a.eps_high, spec.eps_high)):
+        if own > 0 and eps > CLIP_RANGE_FACTOR * own:
+            out.append(f"algorithm.{side}={eps:g} is {eps / own:.0f}x {a.name}'s own clip range "
+                       f"({own:g}): its ratio seldom moves that far from 1, so almost nothing "
+                       f"is clipped and the update is unbounded; use {own:g} (the paper's) or "
+                       f"a few times it")
+        elif own > 0 and eps < own / CLIP_RANGE_FACTOR:
+            out.append(f"algorithm.{side}={eps:g} is 1/{own / max(eps, 1e-12):.0f} of "
+                       f"{a.name}'s own clip range ({own:g}): almost every term is clipped "
+                       f"and carries no gradient; use {own:g} or a fraction of it near 1")
+    return out
 
 
 def check_launch(cfg: Config, world: int, n_train_rows: int | None = None,

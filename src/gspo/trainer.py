@@ -41,7 +41,7 @@ from gspo.lora import (ADAPTER_DIR, LoraUnavailable, add_lora, is_lora, load_ada
 from gspo.metrics import WeightedMean
 from gspo.moe import routing_for
 from gspo.optim import build_optimizer
-from gspo.preflight import data_parallel_mode, preflight
+from gspo.preflight import data_parallel_mode, preflight, setting_warnings
 from gspo.rewards import close_reward
 from gspo.run import Run, Summary, policy_weights
 from gspo.runlock import exclusive
@@ -119,6 +119,8 @@ def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train
     torch.manual_seed(t.seed)
     p = preflight(cfg, run_dir, resume, d.world, device=d.device, reward_fn=reward_fn,
                   train_data=train_data, eval_data=eval_data)
+    for warning in setting_warnings(cfg) if d.is_main else []:
+        log.warning(warning)
     run_dir.mkdir(parents=True, exist_ok=True)
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar per save
     ckpt, model = p.checkpoint, p.model
