@@ -1,4 +1,5 @@
-"""Helpers the benchmark scripts share: the tiny model on disk, timers, memory, the matmul rate.
+"""Helpers the benchmark scripts share: the tiny model on disk, timers, memory, the matmul rate,
+and a callback that measures each phase of an RL step.
 
 Benchmarks are scripts, not tests: each prints a table and, with `--json PATH`, writes its rows.
 They pin nothing about the machine; every comparison is a ratio of two systems measured in the
@@ -16,6 +17,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from gspo import Callback
 
 RESULT_PREFIX = "BENCH-RESULT "
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,3 +134,31 @@ def median(xs: list[float]) -> float:
     s = sorted(xs)
     n = len(s)
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+class PhaseHook(Callback):
+    """Holds a context manager open for the length of a phase of the run's RL steps (gspo's
+    phases: "rollout", "old_logp", "update"): `enter(step, phase)` returns one, or None to leave
+    that phase alone. What entering it gave (a FlopCounterMode, a torch.profiler, a PeakRSS) is
+    kept in `results[step, phase]` once the phase ends, and every phase's wall time in
+    `seconds[step, phase]`. A benchmark measures a phase inside a normal `rl_step` this way:
+
+        hook = PhaseHook(lambda step, phase: FlopCounterMode() if phase == "update" else None)
+        run = prepare(cfg, run_dir, resume=False, callbacks=[hook])
+    """
+
+    def __init__(self, enter):
+        self.enter, self.results, self.seconds, self._open = enter, {}, {}, None
+
+    def on_phase_begin(self, run, step, phase):
+        cm = self.enter(step, phase)
+        if cm is not None:
+            self._open = cm, cm.__enter__()
+
+    def on_phase_end(self, run, step, phase, seconds):
+        self.seconds[step, phase] = seconds
+        if self._open is not None:
+            cm, value = self._open
+            self._open = None
+            cm.__exit__(None, None, None)
+            self.results[step, phase] = value

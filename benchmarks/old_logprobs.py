@@ -16,8 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gspo.config import load_config
-from gspo.trainer import prepare, rl_step
+from gspo import close_run, load_config, prepare, rl_step
 
 BASE = ["warmup.steps=0", "train.eval_every=0", "train.save_every=0", "train.progress=false",
         "train.tensorboard=false", "rollout.max_new_tokens=16", "algorithm.mismatch_every=0",
@@ -28,11 +27,14 @@ def time_mode(mode: str, steps: int, overrides: list[str]) -> tuple[float, float
     cfg = load_config(overrides=BASE + overrides + [f"algorithm.old_logprobs={mode}"])
     with tempfile.TemporaryDirectory() as d:
         run = prepare(cfg, Path(d), resume=False)
-        rl_step(run, 0)  # warm-up step: allocator, thread pools
-        t0, old = time.perf_counter(), 0.0
-        for step in range(1, steps + 1):
-            old += rl_step(run, step)["time/old_logp_s"]
-        return (time.perf_counter() - t0) / steps, old / steps
+        try:
+            rl_step(run, 0)  # warm-up step: allocator, thread pools
+            t0, old = time.perf_counter(), 0.0
+            for step in range(1, steps + 1):
+                old += rl_step(run, step)["time/old_logp_s"]
+            return (time.perf_counter() - t0) / steps, old / steps
+        finally:
+            close_run(run)
 
 
 def main(argv=None) -> int:

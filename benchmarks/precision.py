@@ -6,15 +6,20 @@ bfloat16 GEMM rate of this machine, measured in the same run.
 
 One run per mode (the recipe examples/configs/smollm2_addition.yaml on `--model`, or the tiny
 Qwen3), all built up front and stepped in turn (fp32 step 0, bf16-mixed step 0, fp32 step 1,
-...), so that every mode sees the same background load. Phases as the trainer times them:
-rollout (the engine samples in rollout.dtype=auto: the mode's compute dtype), pi_old (the
-recompute) and update (the AdamW minibatches and the engine's weight refresh). FLOPs of each
-phase are counted once per mode with torch's FlopCounterMode on the step-0 batch (GEMMs and
-attention; per mode, since a bf16 sampler draws other responses of other lengths); a phase's
-rate is those FLOPs over its median time.
+...), so that every mode sees the same background load. Phases as the trainer times them and
+shows them to a gspo.Callback: rollout (sampling, in rollout.dtype: with auto the mode's compute
+dtype, and the rewards), pi_old (the recompute) and update (the AdamW minibatches and the
+engine's weight refresh). Step 0 of each mode runs with torch's FlopCounterMode entered from
+each phase's begin to its end and is not timed (it also warms the allocator up): its FLOPs per
+phase (GEMMs and attention; per mode, since a bf16 sampler draws other responses of other
+lengths) over the phase's median time over steps 1..--steps give the phase's rate.
 
---direction: one update at lr 1e-6 from the same weights on the same rollouts in every mode,
-and the fraction of the weights each moves, and moves the way float32 moves them.
+--direction: one RL step at lr 1e-6 in every mode from the same weights and seed, every mode
+sampling in float32 (rollout.dtype=float32), scored by a reward that hashes the completion (so
+the advantages are not all 0 whatever the model's skill), and the fraction of the weights each
+mode moves, and moves the way float32 moves them. The modes with float32 weights draw float32's
+rollouts exactly (the column "float32's rollouts" checks it); bf16-true's weights are rounded
+to bfloat16, so it may draw others, and then its columns compare updates of other batches.
 """
 
 from __future__ import annotations
@@ -23,15 +28,18 @@ import argparse
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
-from common import (add_model_args, median, recipe_config, resolve_model, table,  # noqa: E402
-                    write_json)
+from common import (PhaseHook, add_model_args, median, recipe_config,  # noqa: E402
+                    resolve_model, table, write_json)
 
 PHASES = {"rollout": "time/rollout_s", "pi_old": "time/old_logp_s", "update": "time/update_s"}
+CALLBACK_PHASES = ("rollout", "old_logp", "update")
+"""the same phases as gspo's callbacks name them (gspo.callbacks.PHASES)"""
 
 
 def parse():
@@ -44,7 +52,8 @@ def parse():
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=40)
-    p.add_argument("--steps", type=int, default=3, help="timed RL steps per mode")
+    p.add_argument("--steps", type=int, default=3,
+                   help="timed RL steps per mode (after step 0, whose FLOPs are counted)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
     p.add_argument("--direction", action="store_true",
                    help="only the lr 1e-6 update-direction measurement")
@@ -73,15 +82,8 @@ def gemm_rates(min_seconds: float = 1.0) -> dict[str, float]:
     return out
 
 
-def count_flops(fn) -> float:
-    from torch.utils.flop_counter import FlopCounterMode
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return float(counter.get_total_flops())
-
-
 def config(a, mode: str, extra: list[str]):
-    from gspo.config import load_config
+    from gspo import load_config
     step = [f"rollout.group_size={a.group_size}", f"rollout.prompts_per_step={a.prompts}",
             f"rollout.max_new_tokens={a.max_new_tokens}", "warmup.steps=0",
             "train.eval_every=0", "train.progress=false", f"train.precision={mode}", *extra]
@@ -109,33 +111,30 @@ def cpu() -> str:
 
 
 def speed(a) -> dict:
-    import gspo.trainer as trainer
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from gspo import close_run, prepare, rl_step
     before = gemm_rates()  # and again after: the higher of the two, the quieter machine
-    runs = {m: trainer.prepare(config(a, m, []), Path(tempfile.mkdtemp()), resume=False)
-            for m in a.modes}
-    flops, rows = {}, {m: [] for m in a.modes}
+    # step 0 of each mode runs under the FLOP counter, phase by phase, and is not timed
+    counters = {m: PhaseHook(lambda step, phase: FlopCounterMode(display=False)
+                             if step == 0 else None) for m in a.modes}
+    runs = {m: prepare(config(a, m, []), Path(tempfile.mkdtemp()), resume=False,
+                       callbacks=[counters[m]]) for m in a.modes}
+    rows = {m: [] for m in a.modes}
     try:
-        for step in range(a.steps):
+        for step in range(a.steps + 1):
             for mode, run in runs.items():
-                if step == 0:  # FLOPs of each phase on this step's batch (before it updates)
-                    prompts = trainer.step_prompts(run.train_rows, 0, a.prompts, run.cfg.train.seed)
-                    r = trainer.generate(run, prompts, 0)
-                    old = trainer.old_policy(run, r, 0)[0]
-                    adv = torch.randn(r.response_ids.shape[0])
-                    state = {k: v.clone() for k, v in run.model.state_dict().items()}
-                    opt = run.optimizer.state_dict()
-                    flops[mode] = {"rollout": count_flops(lambda: trainer.generate(run, prompts, 0)),
-                                   "pi_old": count_flops(lambda: trainer.old_policy(run, r, 0)),
-                                   "update": count_flops(lambda: trainer.update(run, r, old, None, adv))}
-                    run.model.load_state_dict(state)  # as if the counted update never happened
-                    run.optimizer.load_state_dict(opt)
-                    run.engine.load_weights(trainer.policy_weights(run.policy, run.model))
-                rows[mode].append(trainer.rl_step(run, step))
+                row = rl_step(run, step)
+                if step > 0:
+                    rows[mode].append(row)
                 print(f"{mode:<11} step {step}: " + "  ".join(
-                    f"{p} {rows[mode][-1][k]:.2f}s" for p, k in PHASES.items()), flush=True)
+                    f"{p} {row[k]:.2f}s" for p, k in PHASES.items())
+                    + ("  (FLOPs counted, not timed)" if step == 0 else ""), flush=True)
     finally:
         for run in runs.values():
-            trainer.close_run(run)
+            close_run(run)
+    flops = {m: {name: float(counters[m].results[0, phase].get_total_flops())
+                 for name, phase in zip(PHASES, CALLBACK_PHASES)} for m in a.modes}
     rates = {k: max(v, before[k]) for k, v in gemm_rates().items()}
     out = []
     for mode in a.modes:
@@ -155,29 +154,39 @@ def speed(a) -> dict:
             "reward": {m: [r["reward/mean"] for r in rows[m]] for m in a.modes}}
 
 
+class HashReward:
+    """A reward the model's skill does not decide, so that advantages are not all 0: the
+    completion's CRC32 in [0, 1). Keeps every completion it scores, to compare the modes'
+    rollouts."""
+    __name__ = "crc32"
+
+    def __init__(self):
+        self.completions = []
+
+    def __call__(self, completion: str, **fields) -> float:
+        self.completions.append(completion)
+        return zlib.crc32(completion.encode()) / 2 ** 32
+
+
 def direction(a) -> dict:
-    """One update at lr 1e-6 per mode, from the same weights on the same rollouts."""
-    import gspo.trainer as trainer
-    extra = ["optim.lr=1e-6", "optim.grad_clip=0"]
-    deltas, batch = {}, None
+    """One RL step at lr 1e-6 per mode, from the same weights and seed, all sampling in float32
+    (so the modes whose weights are float32 draw the same rollouts); the weights' move."""
+    from gspo import close_run, prepare, rl_step
+    extra = ["optim.lr=1e-6", "optim.grad_clip=0", "rollout.dtype=float32"]
+    deltas, completions = {}, {}
     for mode in ["fp32", *[m for m in a.modes if m != "fp32"]]:
-        run = trainer.prepare(config(a, mode, extra), Path(tempfile.mkdtemp()), resume=False)
+        reward = HashReward()
+        run = prepare(config(a, mode, extra), Path(tempfile.mkdtemp()), resume=False,
+                      reward_fn=reward)
         try:
             before = {k: v.float().clone() for k, v in run.model.state_dict().items()}
-            if batch is None:
-                prompts = trainer.step_prompts(run.train_rows, 0, a.prompts, run.cfg.train.seed)
-                r = trainer.generate(run, prompts, 0)
-                adv = torch.randn(r.response_ids.shape[0], generator=torch.Generator().manual_seed(0))
-                batch = r, adv
-            r, adv = batch
-            old = trainer.old_policy(run, r, 0)[0]
-            t0 = time.perf_counter()
-            trainer.update(run, r, old, None, adv)
-            seconds = time.perf_counter() - t0
+            row = rl_step(run, 0)
             deltas[mode] = (torch.cat([(v.float() - before[k]).flatten()
-                                       for k, v in run.model.state_dict().items()]), seconds)
+                                       for k, v in run.model.state_dict().items()]),
+                            row["time/update_s"])
+            completions[mode] = sorted(reward.completions)
         finally:
-            trainer.close_run(run)
+            close_run(run)
     ref = deltas["fp32"][0]
     nz = ref != 0
     big = ref.abs() > ref[nz].abs().median()
@@ -190,6 +199,7 @@ def direction(a) -> dict:
                     # near 0 whose sign any rounding decides; the larger half does not
                     "same_direction_big": float((d[big].sign() == ref[big].sign()).double().mean()),
                     "cosine": float(d64 @ r64 / (d64.norm() * r64.norm() + 1e-300)),
+                    "same_rollouts": "yes" if completions[mode] == completions["fp32"] else "no",
                     "update_s": seconds})
     return {"rows": out}
 
@@ -203,12 +213,13 @@ def main() -> None:
              f"{a.threads or 'default'} thread(s)")
     if a.direction:
         res = direction(a)
-        print(f"\nprecision --direction: {name}, {shape}: one update at lr 1e-6\n")
+        print(f"\nprecision --direction: {name}, {shape}: one RL step at lr 1e-6\n")
         print(table(res["rows"], [("mode", "train.precision", ""),
                                   ("moved", "weights moved", ".4f"),
                                   ("same_direction", "moved as float32 moves them", ".4f"),
                                   ("same_direction_big", "... of float32's larger half", ".4f"),
                                   ("cosine", "cosine to float32's move", ".4f"),
+                                  ("same_rollouts", "float32's rollouts", ""),
                                   ("update_s", "update s", ".1f")]))
     else:
         res = speed(a)

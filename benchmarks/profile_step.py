@@ -5,13 +5,16 @@
     .venv/bin/python benchmarks/profile_step.py --threads 1 --model smollm2-135m-instruct \
         --prompts 4 --max-new-tokens 128 --steps 2                              # the real model
 
-Phases as the trainer times them (rollout, pi_old recompute, update = `minibatches` AdamW
-steps), medians over `--steps` RL steps after `--warmup-steps`. Then each phase runs again under
-torch.profiler on one fixed rollout batch: "GEMM" is the self time of aten::mm / addmm / bmm /
-linear kernels, its rate their counted FLOPs over that time; everything else (elementwise
-ops, attention, autograd and Python overhead) is "other". A phase whose GEMMs already run near
-the CPU's large-GEMM rate (printed) can only get faster by spending less time in "other" or by
-doing fewer FLOPs.
+Phases as the trainer times them and shows them to a gspo.Callback (rollout = sampling and
+rewards, pi_old recompute, update = `minibatches` AdamW steps and the weights' push to the
+engine), medians over `--steps` RL steps after `--warmup-steps`. Then `--profile-repeats` more
+RL steps run with torch.profiler on from each phase's begin to its end, each step on its own
+rollout batch: "GEMM" is the self time of aten::mm / addmm / bmm / baddbmm kernels over all
+profiled steps of a phase, its rate their counted FLOPs over that time, GEMM GFLOP their FLOPs
+per step; everything else (elementwise ops, attention, autograd and Python overhead) is
+"other"; GEMM ms and other ms split the phase's median time by that share. A phase whose GEMMs
+already run near the CPU's large-GEMM rate (printed) can only get faster by spending less time
+in "other" or by doing fewer FLOPs.
 
 `--model` takes a real model (a directory, or a `gspo fetch-model` name) on the task of the
 recipe examples/configs/smollm2_addition.yaml in place of the tiny Qwen3 on generated sums.
@@ -22,14 +25,13 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
-from common import (add_model_args, matmul_gflops, median, recipe_config,  # noqa: E402
-                    table, write_json)
+from common import (PhaseHook, add_model_args, matmul_gflops, median,  # noqa: E402
+                    recipe_config, table, write_json)
 
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
@@ -46,36 +48,41 @@ def parse():
     p.add_argument("--steps", type=int, default=8, help="timed RL steps")
     p.add_argument("--warmup-steps", type=int, default=2, help="RL steps before the timed ones")
     p.add_argument("--profile-repeats", type=int, default=3,
-                   help="profiled calls of each phase (after one unprofiled)")
+                   help="RL steps profiled after the timed ones")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
     p.add_argument("--precision", default="fp32", help="train.precision (fp32, bf16-mixed, ...)")
     p.add_argument("--json", default=None)
     return p.parse_args()
 
 
-def profile(fn, repeats: int = 3) -> dict:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-    fn()  # warm
-    with torch_profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        wall = (time.perf_counter() - t0) / repeats
-    events = prof.key_averages()
-    gemm_us = sum(e.self_cpu_time_total for e in events if e.key in GEMMS)
-    gemm_flop = sum(e.flops for e in events if e.key in GEMMS)
-    total_us = sum(e.self_cpu_time_total for e in events)
-    share = gemm_us / total_us if total_us else 0.0
-    return {"gemm_share": share, "gemm_gflops": gemm_flop / max(gemm_us, 1) / 1e3,
-            "gemm_gflop": gemm_flop / repeats / 1e9, "profiled_ms": 1e3 * wall}
+PHASES = {"rollout": "rollout", "old_logp": "pi_old", "update": "update"}
+"""gspo's phases of an RL step (gspo.callbacks.PHASES) and their rows in the table"""
+
+
+def profiler():
+    from torch.profiler import ProfilerActivity, profile
+    return profile(activities=[ProfilerActivity.CPU], with_flops=True)
+
+
+def gemm_split(profiles: list) -> dict:
+    """GEMMs' share of the profiled self time, their rate and FLOPs per profile, over profiles
+    of one phase (one per profiled step)."""
+    gemm_us = gemm_flop = total_us = 0.0
+    for prof in profiles:
+        events = prof.key_averages()
+        gemm_us += sum(e.self_cpu_time_total for e in events if e.key in GEMMS)
+        gemm_flop += sum(e.flops for e in events if e.key in GEMMS)
+        total_us += sum(e.self_cpu_time_total for e in events)
+    return {"gemm_share": gemm_us / total_us if total_us else 0.0,
+            "gemm_gflops": gemm_flop / max(gemm_us, 1) / 1e3,
+            "gemm_gflop": gemm_flop / len(profiles) / 1e9}
 
 
 def main() -> None:
     a = parse()
     if a.threads:
         torch.set_num_threads(a.threads)
-    import gspo.trainer as trainer
-    from gspo.config import load_config
+    from gspo import close_run, load_config, prepare, rl_step
 
     step = [f"rollout.group_size={a.group_size}", f"rollout.prompts_per_step={a.prompts}",
             f"rollout.max_new_tokens={a.max_new_tokens}", "algorithm=gspo",
@@ -90,23 +97,22 @@ def main() -> None:
             f"model.num_heads={a.num_heads}", f"model.num_kv_heads={a.num_kv_heads}",
             f"model.intermediate_size={a.intermediate_size}",
             "data.n_train=2000", "data.n_eval=8", "data.digits=2", "data.operations=+", *step])
-    run = trainer.prepare(cfg, Path(tempfile.mkdtemp()), resume=False)
-    rows = [trainer.rl_step(run, i) for i in range(a.warmup_steps + a.steps)][a.warmup_steps:]
-    phases = {"rollout": "time/rollout_s", "pi_old": "time/old_logp_s", "update": "time/update_s"}
-    ms = {name: 1e3 * median([r[key] for r in rows]) for name, key in phases.items()}
+    timed = a.warmup_steps + a.steps  # the steps after these run under torch.profiler
+    profiled = PhaseHook(lambda i, phase: profiler() if i >= timed else None)
+    run = prepare(cfg, Path(tempfile.mkdtemp()), resume=False, callbacks=[profiled])
+    try:
+        for i in range(timed + a.profile_repeats):
+            rl_step(run, i)
+    finally:
+        close_run(run)
+    ms = {name: 1e3 * median([profiled.seconds[i, phase] for i in range(a.warmup_steps, timed)])
+          for phase, name in PHASES.items()}
     step_ms = sum(ms.values())
 
-    prompts = trainer.step_prompts(run.train_rows, 0, a.prompts, cfg.train.seed)
-    r = trainer.generate(run, prompts, 0)
-    old_logp, _, _ = trainer.old_policy(run, r, 1)
-    adv = torch.randn(r.response_ids.shape[0], generator=torch.Generator().manual_seed(0))
-    calls = {"rollout": lambda: trainer.generate(run, prompts, 0),
-             "pi_old": lambda: trainer.old_policy(run, r, 1),
-             "update": lambda: trainer.update(run, r, old_logp, None, adv)}
     peak = matmul_gflops()
     out = []
-    for name, fn in calls.items():
-        p = profile(fn, a.profile_repeats)
+    for phase, name in PHASES.items():
+        p = gemm_split([prof for (i, ph), prof in profiled.results.items() if ph == phase])
         gemm_ms = ms[name] * p["gemm_share"]
         out.append({"phase": name, "ms": ms[name], "share": ms[name] / step_ms,
                     "gemm_ms": gemm_ms, "other_ms": ms[name] - gemm_ms,

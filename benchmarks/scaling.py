@@ -3,22 +3,24 @@ the update phase's achieved matmul rate against this CPU's own.
 
     python benchmarks/scaling.py [--lengths 8,16,32,64] [--groups 2,4,8,16] [--widths 128,256,512]
 
-Every point is a real `gspo.trainer.train` run (tiny Qwen3 built locally, no warm-up, no
-evaluation, arithmetic prompts) whose per-step times come from its metrics.jsonl: rollout,
-pi_old (the recompute pass) and update (4 AdamW minibatch steps). The first RL step is a warm-up
-and is left out; the table shows medians of the rest. Each sweep varies one factor around the
-base point (--base-length, --base-group, --base-width) and is fitted twice: t = a * x^b on
-log-log axes (b: the growth over the range), and t = c0 + c1 x + c2 x^2 with non-negative
-coefficients, whose terms' shares at the largest x show where a superlinear term comes in; the
-printed notes name the work behind each term.
+Every point is a real `gspo.train` run (tiny Qwen3 built locally, no warm-up, no evaluation,
+arithmetic prompts) whose per-step times come from its metrics.jsonl: rollout (sampling and
+rewards), pi_old (the recompute pass) and update (4 AdamW minibatch steps and the weights' push
+to the engine); the final checkpoint, written after the last step, is in none of them. The
+first RL step is a warm-up and is left out; the table shows medians of the rest. Each sweep
+varies one factor around the base point (--base-length, --base-group, --base-width) and is
+fitted twice: t = a * x^b on log-log axes (b: the growth over the range), and
+t = c0 + c1 x + c2 x^2 with non-negative coefficients, whose terms' shares at the largest x show
+where a superlinear term comes in; the printed notes name the work behind each term.
 
 Matmul rate (the issue's target: update phase >= 30% of the CPU's float32 GEMM rate, for a
 model of hidden size >= 512): in the same invocation, `torch.mm` of two 1024 x 1024 float32
 matrices gives the CPU's rate (best of repeated calls, measured before and after the runs,
 the higher kept), and one extra run at --flops-width counts the update phase's FLOPs with
-`torch.utils.flop_counter.FlopCounterMode` (every mm / addmm / bmm / attention kernel of the
-forward and backward passes, 2 * M * N * K each) while a twin run with the same seed, hence the
-same rollouts, minibatches and FLOPs, is timed without the counter. Achieved rate = counted
+`torch.utils.flop_counter.FlopCounterMode`, which a gspo.Callback enters as the update phase
+begins and leaves as it ends (every mm / addmm / bmm / attention kernel of the forward and
+backward passes, 2 * M * N * K each) while a twin run with the same seed, hence the same
+rollouts, minibatches and FLOPs, is timed without the counter. Achieved rate = counted
 update FLOPs / update seconds. For a dense decoder these FLOPs are about
 6 * (non-embedding params) * (positions the decoder computes) + 6 * H * V * (scored positions)
 + attention; they count what gspo computes, so a prompt shared by G rows counts once.
@@ -27,11 +29,9 @@ update FLOPs / update seconds. For a dense decoder these FLOPs are about
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -58,9 +58,9 @@ def parse_args(argv=None):
 
 def run_point(a, T: int, G: int, H: int, count_flops: bool = False) -> dict:
     """Median per-step times of one train() run (and, with count_flops, the update's FLOPs)."""
-    import gspo.trainer as trainer
-    from gspo.config import load_config
-    from gspo.logger import read_metrics
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from gspo import load_config, read_metrics, train
 
     heads = max(1, H // 32)
     cfg = load_config(overrides=[
@@ -72,26 +72,13 @@ def run_point(a, T: int, G: int, H: int, count_flops: bool = False) -> dict:
         "train.eval_every=0", f"train.save_every={10**9}", "train.progress=false",
         "train.tensorboard=false",
     ])
-    flops: list[float] = []
-    update = trainer.update
-    if count_flops:
-        from torch.utils.flop_counter import FlopCounterMode
-
-        def counted(*args, **kwargs):
-            with FlopCounterMode(display=False) as fc:
-                out = update(*args, **kwargs)
-            flops.append(float(fc.get_total_flops()))
-            return out
-
-        trainer.update = counted
-    save = trainer.save_checkpoint
-    trainer.save_checkpoint = lambda *args, **kwargs: None  # timing only: no checkpoint
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            trainer.train(cfg, Path(tmp) / "run")
-            rows = [r for r in read_metrics(Path(tmp) / "run") if "time/update_s" in r]
-    finally:
-        trainer.update, trainer.save_checkpoint = update, save
+    counter = common.PhaseHook(lambda step, phase: FlopCounterMode(display=False)
+                               if count_flops and phase == "update" else None)
+    # the final checkpoint train() writes after the last step is in no figure: the times are
+    # the metrics rows' phases
+    with tempfile.TemporaryDirectory() as tmp:
+        train(cfg, Path(tmp) / "run", callbacks=[counter])
+        rows = [r for r in read_metrics(Path(tmp) / "run") if "time/update_s" in r]
     rows = rows[1:] if len(rows) > 1 else rows  # the first step warms up allocators and kernels
     med = lambda k: common.median([r[k] for r in rows])  # noqa: E731
     out = {"T": T, "G": G, "H": H, "rollout_s": med("time/rollout_s"),
@@ -100,6 +87,7 @@ def run_point(a, T: int, G: int, H: int, count_flops: bool = False) -> dict:
            "update_s_each": [r["time/update_s"] for r in rows]}
     out["step_s"] = out["rollout_s"] + out["old_s"] + out["update_s"]
     if count_flops:
+        flops = [float(fc.get_total_flops()) for _, fc in sorted(counter.results.items())]
         out["update_flops_each"] = flops[1:] if len(flops) > 1 else flops
     return out
 

@@ -10,10 +10,11 @@ math-verify on both sides); each system then trains from those exact weights in 
 subprocess, the runs alternating gspo, trl, gspo-rollout-logp, gspo, trl, ... so that all see the
 same background load and ru_maxrss is a per-system peak. The parent prints, per system and as
 ratios to TRL: completions per second end to end (completions generated / wall time of all RL
-steps, from the end of the model build to the end of the last step), the median wall time per
-RL step, generated tokens, FLOPs per RL step (one extra run per system under
+steps, from each trainer's on_train_begin callback, the model, engine and optimiser built, to
+its step-end callback of the last step), the median wall time per RL step (between step-end
+callbacks), generated tokens, FLOPs per RL step (one extra run per system under
 torch.utils.flop_counter.FlopCounterMode: every matmul and attention kernel, forward and
-backward) and the rate they run at, and peak RSS.
+backward) and the rate they run at, and peak RSS (gspo's read at its last step's end).
 
 Matched settings. TRL: GRPOConfig(importance_sampling_level="sequence", loss_type="grpo",
 beta=0, epsilon=3e-4, epsilon_high=4e-4, num_generations=G, per_device_train_batch_size=B/4,
@@ -24,8 +25,9 @@ gradient_accumulation_steps % steps_per_generation != 0). TRL's defaults that wo
 are set explicitly: bf16=False (`--bf16`: True, and gspo train.precision=bf16-mixed),
 gradient_checkpointing=False, lr_scheduler_type="constant",
 warmup 0, max_grad_norm 1.0, AdamW betas (0.9, 0.999), weight decay 0, top_k=0, use_cpu=True,
-no logging, saving or evaluation. gspo: warmup.steps=0, train.eval_every=0, no checkpoint (the
-final one is skipped in the worker, as TRL saves nothing). `gspo` recomputes pi_old as TRL does;
+no logging, saving or evaluation. gspo: warmup.steps=0, train.eval_every=0, no checkpoint but
+the final one, which train() writes after the last step's mark and peak RSS reading, so that no
+figure includes it (TRL saves nothing). `gspo` recomputes pi_old as TRL does;
 `gspo-rollout-logp` sets algorithm.old_logprobs=rollout (mismatch_every=0): the sampler's own
 log-probs are pi_old, GSPO's sequence-likelihood shortcut, which TRL has no equivalent of for
 its transformers-generate path.
@@ -97,7 +99,7 @@ DATA = dict(n_train=2000, n_eval=8, digits=2, operations="+", seed=1234)
 def task_config(a, overrides: list[str]):
     """The Config both systems read their task from: the recipe's on a real model, else the
     generated arithmetic of DATA on the tiny one."""
-    from gspo.config import load_config
+    from gspo import load_config
 
     if a.model:
         return common.recipe_config(a.model_dir, ["model.dtype=float32", *overrides])
@@ -106,7 +108,7 @@ def task_config(a, overrides: list[str]):
 
 
 def gspo_worker(a) -> dict:
-    import gspo.trainer as trainer
+    from gspo import Callback, train
 
     B = a.prompts * a.group_size
     cfg = task_config(a, [
@@ -121,29 +123,24 @@ def gspo_worker(a) -> dict:
         *(["algorithm.old_logprobs=rollout", "algorithm.mismatch_every=0"]
           if a.worker == "gspo-rollout-logp" else []),
     ])
-    marks: dict[str, list[float]] = {"built": [], "steps": []}
-    tokens: list[float] = []
 
-    build_model = trainer.build_model
+    class Clock(Callback):  # the marks of trl_worker's Clock, on gspo's side
+        def __init__(self):
+            self.begin, self.steps, self.tokens, self.peak_rss_mb = 0.0, [], [], 0.0
 
-    def timed_build(cfg, *args):
-        out = build_model(cfg, *args)
-        marks["built"].append(time.perf_counter())
-        return out
+        def on_train_begin(self, run):
+            self.begin = time.perf_counter()
 
-    class TimedLogger(trainer.MetricsLogger):
-        def log(self, step, metrics):
-            if "response/len_mean" in metrics:
-                marks["steps"].append(time.perf_counter())
-                tokens.append(metrics["response/len_mean"] * B)
-            super().log(step, metrics)
+        def on_step_end(self, run, step, metrics):
+            self.steps.append(time.perf_counter())
+            self.tokens.append(metrics["response/len_mean"] * B)
+            self.peak_rss_mb = common.peak_rss_mb()  # before the final checkpoint's write
 
-    trainer.build_model = timed_build
-    trainer.MetricsLogger = TimedLogger
-    trainer.save_checkpoint = lambda *args, **kwargs: None  # TRL saves nothing either
+    clock = Clock()
     with tempfile.TemporaryDirectory() as run_dir:
-        trainer.train(cfg, Path(run_dir) / "run")
-    return {**_result(marks["built"][0], marks["steps"], tokens, B), "task": cfg.data.task}
+        train(cfg, Path(run_dir) / "run", callbacks=[clock])
+    return {**_result(clock.begin, clock.steps, clock.tokens, B, clock.peak_rss_mb),
+            "task": cfg.data.task}
 
 
 def trl_worker(a) -> dict:
@@ -152,8 +149,7 @@ def trl_worker(a) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from gspo.rewards import close_reward
-    from gspo.tasks import build_task
+    from gspo import build_task, close_reward
 
     torch.manual_seed(a.seed)
     B = a.prompts * a.group_size
@@ -204,10 +200,12 @@ def trl_worker(a) -> dict:
                           processing_class=tokenizer, callbacks=[Clock()])
     trainer.train()
     close_reward(reward_fn)
-    return {**_result(marks["begin"][0], marks["steps"], tokens, B), "task": task.task}
+    return {**_result(marks["begin"][0], marks["steps"], tokens, B, common.peak_rss_mb()),
+            "task": task.task}
 
 
-def _result(t_start: float, step_ends: list[float], tokens: list[float], B: int) -> dict:
+def _result(t_start: float, step_ends: list[float], tokens: list[float], B: int,
+            peak_rss_mb: float) -> dict:
     bounds = [t_start, *step_ends]
     step_s = [b - a for a, b in zip(bounds, bounds[1:])]
     total = step_ends[-1] - t_start
@@ -215,7 +213,7 @@ def _result(t_start: float, step_ends: list[float], tokens: list[float], B: int)
             "total_s": total,
             "completions_per_s": B * len(step_ends) / total, "tokens_per_s": sum(tokens) / total,
             "step_s": step_s, "step_s_median": common.median(step_s),
-            "peak_rss_mb": common.peak_rss_mb()}
+            "peak_rss_mb": peak_rss_mb}
 
 
 # --------------------------------------------------------------------------------------------

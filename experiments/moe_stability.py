@@ -23,10 +23,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from gspo.config import load_config  # noqa: E402
-from gspo.logger import read_metrics  # noqa: E402
-from gspo.distributed import Dist, Policy  # noqa: E402
-from gspo.trainer import build_model, build_task, train, warmup  # noqa: E402
+from gspo import load_config, read_metrics, train  # noqa: E402
 
 VARIANTS = {
     "gspo": ["algorithm=gspo"],
@@ -41,16 +38,16 @@ PLOTS = [("eval/accuracy", "held-out accuracy (avg@4)"), ("reward/mean", "reward
 
 
 def warm_model(seed: int, out: Path, common: list[str]) -> Path:
-    """One supervised warm-up per seed, saved as a Hugging Face checkpoint."""
-    if (out / "config.json").is_file():
-        return out
-    cfg = load_config(overrides=MODEL + common + [f"train.seed={seed}"])
-    model, tokenizer = build_model(cfg)
-    train_rows, _, _, solution = build_task(cfg.data)
-    warmup(Policy(model), model, tokenizer, train_rows, solution, cfg, Dist())
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    """One supervised warm-up per seed: a run of no RL steps, whose checkpoint (a Hugging Face
+    model directory) every variant starts from."""
+    start = out / "checkpoints" / "step_000000"
+    if (start / "config.json").is_file():
+        return start
+    cfg = load_config(overrides=MODEL + common + [f"train.seed={seed}", "train.steps=0",
+                                                  "train.eval_every=0"])
+    shutil.rmtree(out, ignore_errors=True)  # a warm-up that did not finish: from scratch
+    train(cfg, out)
+    return start
 
 
 def run_all(args) -> dict[str, dict[int, list[dict]]]:

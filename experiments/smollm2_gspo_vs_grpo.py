@@ -26,10 +26,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from gspo.config import load_config  # noqa: E402
-from gspo.logger import read_metrics  # noqa: E402
-from gspo.pretrained import fetch_model  # noqa: E402
-from gspo.trainer import train  # noqa: E402
+from gspo import fetch_model, load_config, read_metrics, train  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "smollm2_addition.yaml"
 PLOTS = [("eval/accuracy", "held-out accuracy (avg@2, 64 problems)"), ("reward/mean", "reward"),

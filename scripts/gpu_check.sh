@@ -23,8 +23,7 @@ fi
 timeout 380 "$PY" - <<'PYEOF'
 import tempfile, time
 from pathlib import Path
-from gspo.config import load_config
-from gspo.trainer import prepare, rl_step
+from gspo import close_run, load_config, prepare, rl_step
 
 BASE = ["model.hidden_size=256", "model.num_heads=4", "model.num_kv_heads=2", "model.num_layers=4",
         "model.intermediate_size=1024", "warmup.steps=100", "train.eval_every=0",
@@ -42,12 +41,15 @@ for name, extra in RUNS.items():
     cfg = load_config(overrides=BASE + extra)
     with tempfile.TemporaryDirectory() as d:
         run = prepare(cfg, Path(d), resume=False)
-        for step in range(4):
-            t0 = time.perf_counter()
-            row = rl_step(run, step)
-            print(f"{name:<26} step {step}: {time.perf_counter() - t0:6.2f}s  "
-                  f"rollout {row['time/rollout_s']:.2f}s  update {row['time/update_s']:.2f}s  reward {row['reward/mean']:.3f}  "
-                  f"|dlogp| {row.get('mismatch/token_abs_mean', float('nan')):.2e}  "
-                  f"max seq log-ratio {row.get('mismatch/seq_log_ratio_abs_max', float('nan')):.2e}",
-                  flush=True)
+        try:
+            for step in range(4):
+                t0 = time.perf_counter()
+                row = rl_step(run, step)
+                print(f"{name:<26} step {step}: {time.perf_counter() - t0:6.2f}s  "
+                      f"rollout {row['time/rollout_s']:.2f}s  update {row['time/update_s']:.2f}s  reward {row['reward/mean']:.3f}  "
+                      f"|dlogp| {row.get('mismatch/token_abs_mean', float('nan')):.2e}  "
+                      f"max seq log-ratio {row.get('mismatch/seq_log_ratio_abs_max', float('nan')):.2e}",
+                      flush=True)
+        finally:
+            close_run(run)  # a vLLM engine's process-wide state, before the next run's
 PYEOF

@@ -4,6 +4,7 @@ users)."""
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,13 +16,29 @@ import gspo
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _python_sources(folder: Path) -> list[str]:
+    """The .py files under folder, and the Python its shell scripts feed python on stdin
+    (`"$PY" - <<'PYEOF'` ... `PYEOF`)."""
+    sources = [path.read_text() for path in folder.rglob("*.py")]
+    for path in folder.rglob("*.sh"):
+        sources += re.findall(r"<<'(PY\w*)'\n(.*?)\n\1\n", path.read_text(), re.S)
+    return [s if isinstance(s, str) else s[1] for s in sources]
+
+
 def _imports_from_gspo(folder: Path) -> set[tuple[str, str]]:
     found = set()
-    for path in folder.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+    for source in _python_sources(folder):
+        for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "gspo":
                 found |= {(node.module, a.name) for a in node.names}
     return found
+
+
+def _module_imports(folder: Path) -> set[str]:
+    """`import gspo.trainer` and the like: a module object through which a script could call
+    internals or replace the module's globals."""
+    return {a.name for source in _python_sources(folder) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Import) for a in node.names if a.name.startswith("gspo.")}
 
 
 @pytest.mark.parametrize("name", gspo.__all__)
@@ -34,6 +51,16 @@ def test_what_the_scripts_import_is_public(folder):
     used = _imports_from_gspo(ROOT / folder)
     undeclared = sorted(f"{m}.{n}" for m, n in used if n not in gspo.__all__)
     assert not undeclared, f"declare these in gspo/__init__.py (_API): {undeclared}"
+
+
+@pytest.mark.parametrize("folder", ["benchmarks", "experiments", "scripts"])
+def test_the_scripts_import_no_gspo_module(folder):
+    # benchmarks observe a run through gspo.Callback, not by patching gspo.trainer's globals
+    assert not _module_imports(ROOT / folder)
+
+
+def test_the_python_in_shell_scripts_is_checked_too():
+    assert ("gspo", "rl_step") in _imports_from_gspo(ROOT / "scripts")
 
 
 def test_import_gspo_stays_light():
