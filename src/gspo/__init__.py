@@ -37,7 +37,8 @@ _API = {
     "stop_token_ids": "gspo.engines",
     # data, rewards, evaluation
     "encode_prompts": "gspo.data", "score": "gspo.data", "evaluate": "gspo.evaluation",
-    "RewardFn": "gspo.rewards", "close_reward": "gspo.rewards",
+    "RewardFn": "gspo.rewards", "close_reward": "gspo.rewards", "RewardSum": "gspo.data",
+    "RewardModel": "gspo.rewards.model",
     "make_splits": "gspo.tasks.arithmetic", "exact_match_reward": "gspo.tasks.arithmetic",
     "TASKS": "gspo.tasks", "TaskSpec": "gspo.tasks", "register_task": "gspo.tasks",
     "build_task": "gspo.tasks",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -147,8 +148,17 @@ class DataConfig:
     on_bad_row: str = _f("fail", "a malformed row: 'fail' (stop, naming file, row and field) or "
                          "'skip' (leave it out, counted and logged)", choices=("fail", "skip"))
     reward: str = _f("", "reward function: '' = the task's own, a built-in name (arithmetic, "
-                     "math, code) or 'module:function' / 'file.py:function' of your own, "
-                     "called f(completion, **row_fields) -> float")
+                     "math, code), 'module:function' / 'file.py:function' of your own, called "
+                     "f(completion, **row_fields) -> float, or 'model:PATH', a reward model "
+                     "(a sequence-classification checkpoint: directory or hub id) scoring "
+                     "prompt + completion; several add up, each with an optional weight: "
+                     "'math+0.5*model:PATH'")
+    reward_device: str = _f("cpu", "reward models: the device they score on: cpu, cuda (this "
+                            "rank's GPU), cuda:N or auto")
+    reward_batch_size: int = _f(16, "reward models: completions scored per forward pass", gt=0)
+    reward_dtype: str = _f("auto", "reward models: the dtype they score in; auto = bfloat16 on "
+                           "a GPU that has it, else float32",
+                           choices=("auto", "float32", "bfloat16", "float16"))
     reward_mode: str = _f("all", "code: 'all' (1 when every test passes) or 'fraction' (the "
                           "fraction of tests passing)", choices=("all", "fraction"))
     format_weight: float = _f(0.0, "math/code: bonus for a well-formed answer (a \\boxed{} "
@@ -600,9 +610,31 @@ def _check_data(d: DataConfig) -> None:
                 raise ConfigError(f"data.{key} must name a field of the data file")
     if "{prompt}" not in d.prompt_template:
         raise ConfigError(f"data.prompt_template '{d.prompt_template}' must contain {{prompt}}")
-    if d.reward and d.reward not in _task_names() and ":" not in d.reward:
-        raise ConfigError(f"data.reward '{d.reward}' must be 'module:function', "
-                          f"'file.py:function' or a built-in: {', '.join(_task_names())}")
+    if d.reward:
+        _check_reward(d)
+
+
+def _check_reward(d: DataConfig) -> None:
+    """data.reward's parts and a reward model's path and device; what needs transformers (the
+    checkpoint is a 1-label classifier) is checked when the reward is built."""
+    from gspo.hub import looks_like_hub_id
+    from gspo.rewards import MODEL_PREFIX, parse_reward_spec
+
+    for _, name in parse_reward_spec(d.reward):
+        if name.startswith(MODEL_PREFIX):
+            path = name[len(MODEL_PREFIX):]
+            if not Path(path).expanduser().exists() and not looks_like_hub_id(path):
+                raise ConfigError(f"data.reward {name}: '{path}' not found; give the directory "
+                                  f"a sequence-classification reward model and its tokenizer "
+                                  f"were saved to, or a hub model id (a Python module named "
+                                  f"'model' is given by its file: path/to/model.py:function)")
+            if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", d.reward_device):
+                raise ConfigError(f"data.reward_device must be cpu, cuda, cuda:N or auto, got "
+                                  f"{d.reward_device!r}")
+        elif name not in _task_names() and ":" not in name:
+            raise ConfigError(f"data.reward '{name}' must be 'module:function', "
+                              f"'file.py:function', 'model:PATH' or a built-in: "
+                              f"{', '.join(_task_names())}")
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -2,7 +2,13 @@
 
 Rewards are plain callables ``f(completion: str, **row_fields) -> float``. A reward function
 that raises or returns a non-finite value scores 0 for that completion and is counted, never
-killing the run.
+killing the run. Two more forms score through the same `score`:
+
+- a batched reward: an object with `batch(completions, rows) -> list[float]` (rows whole, the
+  prompt included), called with at most its `batch_size` completions at a time, and an
+  optional `prepare()` called first, outside the timeout (a reward model reads its weights);
+- `RewardSum`: a weighted sum of rewards of either form (`data.reward=math+0.5*model:PATH`, or
+  a list given from Python), each part scored its own way.
 """
 
 from __future__ import annotations
@@ -69,6 +75,42 @@ def as_reward(value, reward_fn) -> float:
                     f"return a float")
 
 
+class RewardSum:
+    """sum_k weights[k] * parts[k](completion): `data.reward=math+0.5*model:PATH`, or a list of
+    rewards given from Python (weights 1, as TRL sums its reward_funcs). `score` scores each
+    part its own way (batched or per call, with its own workers); a completion on which any
+    part fails scores 0 and counts as one failure. Calling the sum works where every part is a
+    callable. `close()` closes each part."""
+
+    def __init__(self, parts: Sequence, weights: Sequence[float] | None = None,
+                 name: str | None = None):
+        self.parts = list(parts)
+        self.weights = [1.0] * len(self.parts) if weights is None else list(weights)
+        self.__name__ = name or "+".join(reward_name(f) for f in self.parts)
+
+    def __call__(self, completion: str, **fields) -> float:
+        return sum(w * as_reward(f(completion, **fields), f)
+                   for w, f in zip(self.weights, self.parts))
+
+    def prepare(self) -> None:
+        for f in self.parts:
+            _prepare(f)
+
+    def close(self) -> None:
+        from gspo.rewards import close_reward
+        close_reward(self.parts)
+
+
+def _prepare(reward_fn) -> None:
+    prepare = getattr(reward_fn, "prepare", None)
+    if callable(prepare):
+        prepare()
+
+
+class RewardBatchError(RuntimeError):
+    """A batched reward's call that raised or answered wrongly: each of its completions fails."""
+
+
 def score(reward_fn: RewardFn, completions: Sequence[str], rows: Sequence[dict],
           workers: int | None = None, timeout: float | None = None
           ) -> tuple[list[float], int, str | None]:
@@ -80,25 +122,13 @@ def score(reward_fn: RewardFn, completions: Sequence[str], rows: Sequence[dict],
     MAX_ABS_REWARD, or runs past `timeout` seconds; a call past its timeout is abandoned in its
     (daemon) thread. workers > 1 scores that many calls at once (for rewards that wait on
     subprocesses, e.g. code); None takes the reward's own `workers` attribute (CodeReward has
-    one), else 1."""
-    if workers is None:
-        workers = getattr(reward_fn, "workers", None) or 1
-    def one(completion: str, row: dict) -> tuple[float, BaseException | None]:
-        fields = {k: v for k, v in row.items() if k != "prompt"}
-        try:
-            r = as_reward(reward_fn(completion, **fields), reward_fn)
-            if not math.isfinite(r) or abs(r) > MAX_ABS_REWARD:
-                raise ValueError(f"reward {r} is not a finite number within +-{MAX_ABS_REWARD:g}")
-            return r, None
-        except (Exception, SystemExit) as e:  # a user's reward must never kill the run
-            return 0.0, e
-
+    one), else 1. A batched reward's call is one batch: `timeout` bounds it, and when it fails
+    each of its completions is counted; its `prepare()` runs first, and raises (a reward that
+    cannot be loaded can never score)."""
     if len(completions) != len(rows):
         raise ValueError(f"{len(completions)} completions but {len(rows)} rows")
-    if timeout is None and workers <= 1:
-        results = [one(c, r) for c, r in zip(completions, rows)]
-    else:
-        results = _bounded(one, list(zip(completions, rows)), max(1, workers), timeout)
+    _prepare(reward_fn)
+    results = _results(reward_fn, list(completions), list(rows), workers, timeout)
     errors = [e for _, e in results if e is not None]
     first = None
     if errors:
@@ -107,6 +137,82 @@ def score(reward_fn: RewardFn, completions: Sequence[str], rows: Sequence[dict],
         log.warning("reward function %s failed on %d of %d completions (first: %s); scored 0",
                     reward_name(reward_fn), len(errors), len(results), first)
     return [r for r, _ in results], len(errors), first
+
+
+Result = tuple[float, "BaseException | None"]  # a completion's reward, or 0.0 and why it failed
+
+
+def _checked(value, reward_fn) -> float:
+    r = as_reward(value, reward_fn)
+    if not math.isfinite(r) or abs(r) > MAX_ABS_REWARD:
+        raise ValueError(f"reward {r} is not a finite number within +-{MAX_ABS_REWARD:g}")
+    return r
+
+
+def _results(reward_fn, completions: list[str], rows: list[dict], workers: int | None,
+             timeout: float | None) -> list[Result]:
+    """Each completion's result, by the reward's form: a sum part by part, a batched reward
+    batch by batch, a plain one call by call."""
+    if isinstance(reward_fn, RewardSum):
+        per_part = [_results(f, completions, rows, workers, timeout) for f in reward_fn.parts]
+        summed = []
+        for parts in zip(*per_part):
+            failed = next((e for _, e in parts if e is not None), None)
+            summed.append((0.0, failed) if failed is not None else
+                          (sum(w * r for w, (r, _) in zip(reward_fn.weights, parts)), None))
+        return summed
+    if callable(getattr(reward_fn, "batch", None)):
+        return _batched(reward_fn, completions, rows, timeout)
+    if workers is None:
+        workers = getattr(reward_fn, "workers", None) or 1
+
+    def one(completion: str, row: dict) -> Result:
+        fields = {k: v for k, v in row.items() if k != "prompt"}
+        try:
+            return _checked(reward_fn(completion, **fields), reward_fn), None
+        except (Exception, SystemExit) as e:  # a user's reward must never kill the run
+            return 0.0, e
+
+    if timeout is None and workers <= 1:
+        return [one(c, r) for c, r in zip(completions, rows)]
+    return _bounded(one, list(zip(completions, rows)), max(1, workers), timeout)
+
+
+def _batched(reward_fn, completions: list[str], rows: list[dict], timeout: float | None
+             ) -> list[Result]:
+    """A batched reward's results, `batch_size` completions a call (default: all at once)."""
+    size = getattr(reward_fn, "batch_size", None) or len(completions) or 1
+    name = reward_name(reward_fn)
+
+    def one(cs: list[str], rs: list[dict]) -> tuple[list[Result], None]:  # _bounded's shape
+        try:
+            values = list(reward_fn.batch(cs, rs))
+        except (Exception, SystemExit) as e:  # every completion of the batch fails with it
+            lines = str(e).strip().splitlines()
+            failed = RewardBatchError(f"{name} raised on a batch of {len(cs)} completions: "
+                                      f"{type(e).__name__}" + (f": {lines[0]}" if lines else ""))
+            return [(0.0, failed)] * len(cs), None
+        if len(values) != len(cs):
+            failed = RewardBatchError(f"{name} returned {len(values)} rewards for a batch of "
+                                      f"{len(cs)} completions; return one per completion")
+            return [(0.0, failed)] * len(cs), None
+        out = []
+        for value in values:  # a value that is not a sane number fails its completion alone
+            try:
+                out.append((_checked(value, reward_fn), None))
+            except (TypeError, ValueError) as e:
+                out.append((0.0, e))
+        return out, None
+
+    calls = [(completions[i:i + size], rows[i:i + size]) for i in range(0, len(rows), size)]
+    if timeout is None:
+        done = [one(*call) for call in calls]
+    else:
+        done = _bounded(one, calls, 1, timeout)
+    results: list[Result] = []
+    for (cs, _), (out, e) in zip(calls, done):
+        results += out if e is None else [(0.0, e)] * len(cs)  # e: the batch timed out
+    return results
 
 
 def _bounded(one, calls: list[tuple], workers: int, timeout: float | None) -> list[tuple]:

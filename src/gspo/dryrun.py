@@ -3,7 +3,8 @@
 Given a resolved config: load the tokenizer and the model's config (a local or hub model is
 built on the meta device, so no weights are read; the tiny built-in models are built, they are
 cheap), read and check every row of the data (naming every malformed one), build the reward and
-call it once on a sample answer, check how the batch divides over the ranks of the launch
+call it once on a sample answer (a reward model is checked from its config and tokenizer, its
+weights not read, and not called), check how the batch divides over the ranks of the launch
 (`WORLD_SIZE`, or a planned `world`), then print the resolved config, the rollout batch, the
 token budget of a step and an estimate of the memory per rank. Nothing is written: no run
 directory, no lock, no checkpoint.
@@ -28,11 +29,12 @@ import yaml
 
 from gspo import precision
 from gspo.config import Config, to_dict
-from gspo.data import encode_prompts, reward_name, score
+from gspo.data import RewardSum, encode_prompts, reward_name, score
 from gspo.distributed import Dist, resolve_device
 from gspo.engines import engine_class, engine_settings
 from gspo.errors import ConfigError
-from gspo.rewards import close_reward
+from gspo.rewards import close_reward, reward_model_paths
+from gspo.rewards.model import RewardModel
 from gspo.runlock import check_run_dir
 from gspo.tasks import get_task
 from gspo.preflight import data_parallel_mode, preflight, setting_warnings
@@ -86,6 +88,9 @@ def machine_warnings(cfg: Config) -> list[str]:
         warnings.append(f"train.device={cfg.train.device} (a CUDA device)")
     else:
         resolve_device(cfg.train.device)  # a device spec that cannot work anywhere fails
+    if (reward_model_paths(cfg.data.reward) and cfg.data.reward_device.startswith("cuda")
+            and not torch.cuda.is_available()):
+        warnings.append(f"data.reward_device={cfg.data.reward_device} (a CUDA device)")
     return [f"checked on this machine: {w} not available here; needed at run time"
             for w in warnings]
 
@@ -109,10 +114,11 @@ def capacity_warning(cfg: Config, memory: dict) -> list[str]:
             f"{'of this GPU' if cuda else 'of memory available here'}"]
 
 
-def try_reward(cfg: Config, reward, solution, row: dict) -> tuple[float, str]:
+def try_reward(cfg: Config, reward, solution, row: dict) -> tuple[float | None, str]:
     """The reward of a sample answer to `row`: its worked solution where the data has one,
     else the task's sample answer (math: the reference answer written out; code: a placeholder
-    program), else the row's reward field as it is."""
+    program), else the row's reward field as it is; reward models are described, not called
+    (None where they are the whole reward)."""
     try:
         sample, what = solution(row), "worked solution"
     except ConfigError:  # no worked solutions: an answer as a model would write it
@@ -121,16 +127,37 @@ def try_reward(cfg: Config, reward, solution, row: dict) -> tuple[float, str]:
             sample, what = task.sample_answer(row)
         else:
             sample, what = str(row.get(task.field, "")), "reference answer"
+    rules, models = without_models(reward)
     try:
-        (value,), failures, first = score(reward, [sample], [row],
+        if rules is None:  # reward models alone: nothing to call without their weights
+            return None, "; ".join(m.describe() for m in models)
+        (value,), failures, first = score(rules, [sample], [row],
                                           timeout=cfg.data.reward_fn_timeout or None)
     finally:
         close_reward(reward)
-    name = reward_name(reward)
+    name = reward_name(rules)
     if failures:
         raise ConfigError(f"the reward {name} failed on a sample answer (a {what}) to the first "
                           f"training row: {first}; fix the reward function or the data fields")
-    return value, f"{name} on the first training row with a {what}: {value:g}"
+    return value, "; ".join([f"{name} on the first training row with a {what}: {value:g}"]
+                            + [m.describe() for m in models])
+
+
+def without_models(reward) -> tuple[object | None, list[RewardModel]]:
+    """(the reward less its reward models, or None when nothing is left; the reward models):
+    the dry run reads no weights, so a reward model is checked from its config and tokenizer
+    (when it was built) and not called."""
+    parts, weights = ((reward.parts, reward.weights) if isinstance(reward, RewardSum)
+                      else ([reward], [1.0]))
+    models = [p for p in parts if isinstance(p, RewardModel)]
+    rules = [(w, p) for w, p in zip(weights, parts) if not isinstance(p, RewardModel)]
+    if not models:
+        return reward, []
+    if not rules:
+        return None, models
+    if len(rules) == 1 and rules[0][0] == 1.0:
+        return rules[0][1], models
+    return RewardSum([p for _, p in rules], [w for w, _ in rules]), models
 
 
 def prompt_lengths(rows: list[dict], tokenizer, cfg: Config) -> tuple[int, float, int]:

@@ -26,6 +26,23 @@ def looks_like_hub_id(name: str) -> bool:
             and not name.lower().endswith(DATA_SUFFIXES))
 
 
+def in_hub_cache(repo_id: str) -> bool:
+    """Whether the Hugging Face cache holds a model repository's config.json (so that a hub id
+    loads offline)."""
+    return cached_snapshot(repo_id) is not None
+
+
+def cached_snapshot(repo_id: str) -> str | None:
+    """The directory of the cached copy of a hub model repository (the snapshot holding its
+    config.json), or None when the cache has none."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except (ImportError, ValueError):  # ValueError: not a valid repo id
+        return None
+    return os.path.dirname(found) if isinstance(found, str) else None
+
+
 def hub_unreachable(timeout: float = 3.0) -> str | None:
     """Why the hub cannot be used from here (offline mode, no route), or None when it answers."""
     from urllib.parse import urlparse

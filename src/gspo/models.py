@@ -37,7 +37,7 @@ from transformers import (
 from transformers.cache_utils import DynamicLayer
 
 from gspo.errors import ModelLoadError  # noqa: F401  (raised here, re-exported)
-from gspo.hub import hub_unreachable, looks_like_path
+from gspo.hub import hub_unreachable, in_hub_cache, looks_like_path
 from gspo.pretrained import PRETRAINED, fetch_model
 
 PAD_TOKEN = "<|endoftext|>"
@@ -228,14 +228,6 @@ def _check_local_dir(path: str) -> None:
                              f"(tokenizer.save_pretrained(dir))")
 
 
-def _in_hub_cache(repo_id: str) -> bool:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
-    except (ImportError, ValueError):  # ValueError: not a valid repo id
-        return False
-
-
 def _check_local_fits(path: str, name: str, dtype: str, full_training: bool,
                       trust_remote_code: bool) -> None:
     try:
@@ -276,7 +268,7 @@ def load_model(
     path = os.path.expanduser(name_or_path)
     if looks_like_path(name_or_path) and not os.path.exists(path):
         raise ModelLoadError(f"model {name_or_path!r} not found: {hint}")
-    if not os.path.exists(path) and not _in_hub_cache(name_or_path):
+    if not os.path.exists(path) and not in_hub_cache(name_or_path):
         where = hub_unreachable()
         if where:  # fail now, not after transformers' retries with back-off
             raise ModelLoadError(f"model {name_or_path!r} is not a local directory nor in the "

@@ -9,6 +9,7 @@ can be deleted or edited between a stop and a resume. So every checkpoint carrie
                   task's own reward by the task's name, or a Python callable's
                   'module:qualified_name' (several joined by '+')
     reward_from   'config' or 'python' (train(..., reward_fn=...))
+    reward_models each reward model's path (data.reward=model:PATH) -> SHA-256 of its files
     train_data    'config' (data.path or a generated task) or 'python' (train_data=...);
     eval_data     the same for the held-out rows
     rows          how many training / held-out rows, and the SHA-256 of both lists
@@ -16,8 +17,9 @@ can be deleted or edited between a stop and a resume. So every checkpoint carrie
 A resume (and `gspo train --dry-run --resume`) compares itself with the checkpoint it starts
 from and refuses, in one line naming the field and how to start a new run instead:
 a change of FROZEN (the model's shape, the objective, where the data come from, the reward's
-settings), a different reward, different rows (a changed data file, data.n_eval,
-data.prompt_template, ...), and train.steps below the steps already done. A checkpoint
+settings), a different reward (a reward model whose files changed too), different rows (a
+changed data file, data.n_eval, data.prompt_template, ...), and train.steps below the steps
+already done. A checkpoint
 written before run.json existed is checked against config.yaml; with neither, the resume needs
 --config to say what the run was.
 """
@@ -62,6 +64,18 @@ def reward_identity(d, reward_fn=None) -> tuple[str, str]:
     return "+".join(_callable_name(f) for f in fns), "python"
 
 
+def reward_models(d, reward_fn=None) -> dict[str, str | None]:
+    """Each reward model data.reward names (model:PATH) -> the SHA-256 of its files (None where
+    no copy is on this machine: a hub id not yet downloaded)."""
+    from gspo.rewards import reward_model_paths
+
+    paths = reward_model_paths(d.reward) if reward_fn is None else []
+    if not paths:
+        return {}
+    from gspo.rewards.model import fingerprint  # torch: only for a run that has one
+    return {path: fingerprint(path) for path in paths}
+
+
 def _callable_name(f) -> str:
     target = f if hasattr(f, "__qualname__") else type(f)  # a callable object: its class
     return f"{getattr(target, '__module__', '?')}:{target.__qualname__}"
@@ -84,7 +98,7 @@ def make_record(cfg: Config, reward_fn, train_data, eval_data, train_rows: list[
     names them) and rows."""
     reward, reward_from = reward_identity(cfg.data, reward_fn)
     return {"format": FORMAT, "config": to_dict(cfg), "reward": reward,
-            "reward_from": reward_from,
+            "reward_from": reward_from, "reward_models": reward_models(cfg.data, reward_fn),
             "train_data": "config" if train_data is None else "python",
             "eval_data": "config" if eval_data is None else "python",
             "rows": {"train": len(train_rows), "eval": len(eval_rows),
@@ -182,7 +196,8 @@ def check_resume(cfg: Config, run_dir: Path, ckpt: Path, reward_fn=None, train_d
     if reward != record["reward"]:
         def said(name, source):
             return (f"{name} given from Python" if source == "python" else
-                    f"data.reward={name}" if ":" in name else f"the {name} task's own reward")
+                    f"data.reward={name}" if ":" in name or "+" in name
+                    else f"the {name} task's own reward")
         fix = (f"resume it from Python with train(..., resume=True, reward_fn=<it>)"
                + (f" or set data.reward={record['reward']}" if ":" in record["reward"]
                   and not record["reward"].startswith("__main__:") else "")
@@ -191,6 +206,12 @@ def check_resume(cfg: Config, run_dir: Path, ckpt: Path, reward_fn=None, train_d
                             f"{said(reward, reward_from)} (trained with "
                             f"{said(record['reward'], record['reward_from'])}): {fix}, or "
                             f"{new_run}")
+    for path, now in reward_models(cfg.data, reward_fn).items():
+        then = record.get("reward_models", {}).get(path)
+        if now and then and now != then:
+            raise TrainingError(f"{where}: the reward model {path} is not the one the run was "
+                                f"trained with (its files' SHA-256 is {now[:12]}..., was "
+                                f"{then[:12]}...); restore it, or {new_run}")
     return record
 
 

@@ -3,10 +3,13 @@
 Built in: `gspo.rewards.math` (math-verify equivalence of the final answer) and
 `gspo.rewards.code` (the program run against the row's tests in the sandbox). A user's own is
 named in the config as `data.reward=module:function` (or `path/to/file.py:function`) and loaded
-by `load_reward`. Training and evaluation both score through `gspo.data.score`, where a reward
-that raises or returns a non-finite value counts 0 and is logged, never killing the run. A
-reward that holds resources (the code reward's thread pool, the math reward's helper process)
-has a `close()`; `close_reward` calls it when the run or the evaluation ends.
+by `load_reward`; `data.reward=model:PATH` scores with a sequence-classification reward model
+(`gspo.rewards.model`, a batched reward). `data.reward` may add several, each with an optional
+weight: `math+0.5*model:PATH` (see `parse_reward_spec`). Training and evaluation both score
+through `gspo.data.score`, where a reward that raises or returns a non-finite value counts 0 and
+is logged, never killing the run. A reward that holds resources (the code reward's thread pool,
+the math reward's helper process) has a `close()`; `close_reward` calls it when the run or the
+evaluation ends.
 
 The submodules are imported lazily: the math-verify helper process imports this package and
 should not pay for the sandbox.
@@ -17,6 +20,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+from math import isfinite  # not `import math`: the submodule gspo.rewards.math takes that name
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -30,6 +35,37 @@ field of its row but the prompt (e.g. `answer=` or `tests=`), so it declares the
 and takes `**_` for the rest. Any callable object will do; one with a `close()` is closed by
 `close_reward`. An alias rather than a Protocol: each reward names its own fields, which no
 one signature could spell."""
+
+
+MODEL_PREFIX = "model:"
+"""data.reward=model:PATH: a reward model (gspo.rewards.model) rather than module:function."""
+
+_WEIGHTED = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE]-?\d+)?)\s*\*\s*(.*)", re.S)
+
+
+def parse_reward_spec(spec: str) -> list[tuple[float, str]]:
+    """data.reward as (weight, name) parts: 'math+0.5*model:PATH' -> [(1.0, 'math'), (0.5,
+    'model:PATH')]. Parts are separated by '+' and summed, each optionally 'WEIGHT*' first (a
+    plain decimal, negative for a penalty); a name is a task's, 'module:function',
+    'file.py:function' or 'model:PATH' (so none of them may hold a '+')."""
+    parts = []
+    for text in spec.split("+"):
+        match = _WEIGHTED.fullmatch(text)
+        weight, name = (float(match[1]), match[2].strip()) if match else (1.0, text.strip())
+        if not name:
+            raise ConfigError(f"data.reward '{spec}' has an empty part; write rewards to add as "
+                              f"'math+model:PATH' or with weights '1*math+0.5*model:PATH'")
+        if not isfinite(weight):
+            raise ConfigError(f"data.reward '{spec}': the weight of {name} must be a finite "
+                              f"number")
+        parts.append((weight, name))
+    return parts
+
+
+def reward_model_paths(spec: str) -> list[str]:
+    """The PATH of each 'model:PATH' part of data.reward."""
+    return [name[len(MODEL_PREFIX):] for _, name in parse_reward_spec(spec)
+            if name.startswith(MODEL_PREFIX)] if spec else []
 
 
 def load_reward(spec: str) -> RewardFn:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from gspo.data import as_reward, reward_name
+from gspo.data import RewardSum
 from gspo.errors import ConfigError
-from gspo.rewards import RewardFn, close_reward, load_reward
+from gspo.rewards import MODEL_PREFIX, RewardFn, close_reward, load_reward, parse_reward_spec
 from gspo.tasks.registry import TASKS, TaskSpec, file_tasks, get_task, register_task
 
 
@@ -81,32 +81,45 @@ def _read_rows(d, train_data, eval_data, bad_rows) -> tuple[list[dict], list[dic
 
 
 def user_reward(reward_fn, d) -> RewardFn:
-    """A reward given from Python: one callable f(completion, **row_fields) -> float, or a list
-    of them whose rewards are summed (as TRL sums its reward_funcs)."""
+    """A reward given from Python: one callable f(completion, **row_fields) -> float (or a
+    batched reward, see gspo.data.score), or a list of them whose rewards are summed (as TRL
+    sums its reward_funcs)."""
     if d.reward:
         raise ConfigError(f"a reward_fn is given and data.reward={d.reward!r} too; pass one")
     fns = list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn]
-    bad = [f for f in fns if not callable(f)]
+    bad = [f for f in fns if not callable(f) and not callable(getattr(f, "batch", None))]
     if bad or not fns:
         raise ConfigError(f"reward_fn must be a callable f(completion, **row_fields) -> float "
                           f"or a list of them, got {type(bad[0]).__name__ if bad else 'an empty list'}")
-    if len(fns) == 1:
-        return fns[0]
-
-    def summed(completion: str, **fields) -> float:
-        return sum(as_reward(f(completion, **fields), f) for f in fns)
-
-    summed.__name__ = "+".join(reward_name(f) for f in fns)
-    summed.close = lambda: close_reward(fns)  # so that closing the sum closes each part
-    return summed
+    return fns[0] if len(fns) == 1 else RewardSum(fns)
 
 
 def build_reward(d, task: str | None = None) -> RewardFn:
-    """data.reward (a task's name, for its reward, or 'module:function'), else the reward of
-    `task` (default data.task)."""
-    name = d.reward or task or d.task
+    """data.reward, else the reward of `task` (default data.task). data.reward names one reward
+    or a weighted sum of them ('math+0.5*model:PATH', gspo.rewards.parse_reward_spec), each a
+    task's name (for its reward), 'module:function' / 'file.py:function', or 'model:PATH' (a
+    reward model, gspo.rewards.model)."""
+    parts = parse_reward_spec(d.reward) if d.reward else [(1.0, task or d.task)]
+    built: list = []
+    try:
+        for _, name in parts:
+            built.append(_one_reward(name, d))
+    except BaseException:
+        close_reward(built)
+        raise
+    if len(parts) == 1 and parts[0][0] == 1.0:
+        return built[0]
+    return RewardSum(built, [w for w, _ in parts], name=d.reward)
+
+
+def _one_reward(name: str, d) -> RewardFn:
     if name in TASKS:
         return TASKS[name].make_reward(d)
+    if name.startswith(MODEL_PREFIX):
+        from gspo.rewards.model import RewardModel  # torch and transformers: only when asked
+        return RewardModel(name[len(MODEL_PREFIX):], device=d.reward_device,
+                           dtype=d.reward_dtype, batch_size=d.reward_batch_size,
+                           system_prompt=d.system_prompt)
     return load_reward(name)
 
 
