@@ -15,7 +15,7 @@ import gspo.preflight as preflight
 import gspo.step as step_mod
 import gspo.trainer as trainer
 from gspo import metrics as M
-from gspo.async_rollouts import AsyncSampler
+from gspo.async_rollouts import AsyncSampler, Batch
 from gspo.config import load_config
 from gspo.errors import TrainingError
 from gspo.logger import read_metrics
@@ -35,16 +35,15 @@ class VersionEngine:
 
 
 def make_sampler(engine, k, start, published, delays, fail_at=None):
-    def sample(step):
-        time.sleep(delays.uniform(0, 0.01))
-        seen = (float(engine.w), published[0])  # the weight, and the trainer's newest version
-        return [{"step": step}], seen, [f"{step}"]
-
-    def score(rows, texts):
-        if fail_at is not None and rows[0]["step"] == fail_at:
+    def produce(step, hold):
+        with hold():  # the engine, with the weights of the step's version
+            time.sleep(delays.uniform(0, 0.01))
+            seen = (float(engine.w), published[0])  # the weight, and the trainer's newest version
+        if fail_at is not None and step == fail_at:  # a failure while scoring
             raise KeyError("answr")
-        return [1.0], 0, None
-    return AsyncSampler(engine, k, start, [("w", torch.tensor(float(start)))], sample, score)
+        return Batch([{"step": step}], seen, [f"{step}"], [1.0], 0, None, version=-1,
+                     rollout_s=0.0, reward_s=0.0)
+    return AsyncSampler(engine, k, start, [("w", torch.tensor(float(start)))], produce)
 
 
 @pytest.mark.parametrize("k,start", [(1, 0), (2, 0), (3, 5)])

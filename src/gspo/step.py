@@ -2,8 +2,8 @@
 
     rl_step    produce -> consume, each phase timed and shown to the run's callbacks
     produce    this rank's share of the step's prompts, G responses to each, decoded and
-               scored (with rollout.max_staleness >= 1 it runs in the sampler's thread, so it
-               holds no collective)
+               scored (with rollout.max_staleness >= 1 it runs in the sampler's thread,
+               sample_batch, so it holds no collective)
     consume    group advantages -> pi_old (and pi_ref) -> minibatch updates, each weighted by
                the off-policy correction (algorithm.is_correction) -> the engine's new
                weights -> the step's row of metrics
@@ -77,6 +77,20 @@ def produce(run: Run, step: int, stop: StopRequest | None = None) -> Batch | Non
     rollout_s = time.perf_counter() - t0
     if stop is not None and stop.requested(run.dist):
         return None
+    t1 = time.perf_counter()
+    rewards, failures, first_error = score_texts(run, rows, texts)
+    return Batch(rows, rollouts, texts, rewards, failures, first_error, version=step,
+                 rollout_s=rollout_s, reward_s=time.perf_counter() - t1)
+
+
+def sample_batch(run: Run, step: int, hold=contextlib.nullcontext) -> Batch:
+    """Step `step`'s batch, sampled and scored: the sampler thread's producer. The engine is
+    used only inside `with hold():`, which gives it the weights this step samples from; the
+    batch's version is the caller's to set."""
+    with hold():
+        t0 = time.perf_counter()
+        rows, rollouts, texts = sample(run, step)
+        rollout_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     rewards, failures, first_error = score_texts(run, rows, texts)
     return Batch(rows, rollouts, texts, rewards, failures, first_error, version=step,
