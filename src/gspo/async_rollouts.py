@@ -28,6 +28,7 @@ from typing import Callable, Iterable
 import torch
 
 from gspo.engines import Rollouts
+from gspo.group_filter import FilterStats
 
 WAIT_POLL_S = 0.5  # how often a waiting thread re-checks that the other is alive
 
@@ -44,6 +45,7 @@ class Batch:
     version: int            # the weight version the rollouts were sampled from
     rollout_s: float        # sampling (and decoding) time, in the sampler's thread
     reward_s: float
+    filter: FilterStats | None = None  # rollout.filter_groups: what it dropped and sampled
 
 
 class AsyncSampler:
