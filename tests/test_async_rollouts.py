@@ -107,10 +107,15 @@ def varied(completion, **_):
     return float(sum(map(ord, completion)) % 7)
 
 
-def run_async(tmp_path, tiny_overrides, *extra, resume=False):
+def half_constant(completion, answer, **_):
+    """Constant for the prompts with an even answer: rollout.filter_groups samples more."""
+    return 1.0 if int(answer) % 2 == 0 else varied(completion)
+
+
+def run_async(tmp_path, tiny_overrides, *extra, resume=False, reward_fn=varied):
     trainer.train(load_config(overrides=tiny_overrides + ASYNC + ["rollout.max_staleness=1",
                                                                   *extra]), tmp_path,
-                  resume=resume, reward_fn=varied)
+                  resume=resume, reward_fn=reward_fn)
     return read_metrics(tmp_path)
 
 
@@ -119,18 +124,24 @@ def same(rows):
             for r in rows]
 
 
-def test_an_async_run_equals_its_sequential_reenactment(tmp_path, tiny_overrides):
+@pytest.mark.parametrize("extra, reward_fn", [([], varied),
+                                              (["rollout.filter_groups=true"], half_constant)])
+def test_an_async_run_equals_its_sequential_reenactment(tmp_path, tiny_overrides, extra,
+                                                        reward_fn):
     """max_staleness=1 against the synchronous step driven by hand, the engine loaded with
     the weights of one update earlier before each step: the same rows, bit for bit; and a
-    second asynchronous run gives the same (the threads' timing does not matter)."""
+    second asynchronous run gives the same (the threads' timing does not matter). With
+    rollout.filter_groups the sampler thread samples in rounds, and the evaluations may
+    borrow the engine between them."""
     threads = torch.get_num_threads()
     try:
-        rows = run_async(tmp_path / "a", tiny_overrides)
-        assert same(run_async(tmp_path / "b", tiny_overrides)) == same(rows)
+        rows = run_async(tmp_path / "a", tiny_overrides, *extra, reward_fn=reward_fn)
+        assert same(run_async(tmp_path / "b", tiny_overrides, *extra,
+                              reward_fn=reward_fn)) == same(rows)
         # the reference: one thread's worth of compute as each async thread had
         torch.set_num_threads(max(1, threads // 2))
-        cfg = load_config(overrides=tiny_overrides + ASYNC)
-        run = trainer.prepare(cfg, tmp_path / "ref", resume=False, reward_fn=varied)
+        cfg = load_config(overrides=tiny_overrides + ASYNC + extra)
+        run = trainer.prepare(cfg, tmp_path / "ref", resume=False, reward_fn=reward_fn)
         try:
             run.engine = trainer.build_engine(run.model, run.tokenizer, cfg, own_copy=True)
             first = trainer.run_eval(run)
@@ -153,6 +164,8 @@ def test_an_async_run_equals_its_sequential_reenactment(tmp_path, tiny_overrides
     got = [{k: v for k, v in r.items() if k not in ("step", M.STALENESS)} for r in rows[1:]]
     assert same(got) == same(ref)
     assert not torch.equal(weights[0][0][1], weights[1][0][1])  # the updates moved weights
+    if extra:
+        assert sum(r[M.EXTRA_PROMPTS] for r in rows[1:]) > 0  # it sampled extra rounds
 
 
 def test_a_resumed_async_run_loses_no_update(tmp_path, tiny_overrides):

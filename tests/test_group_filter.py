@@ -62,13 +62,15 @@ def test_round_size_scales_what_is_missing_by_the_rate_seen(missing, seen, kept,
 
 
 def fake_round(varying: list[bool], tag: int, G: int = 2) -> Round:
-    """A round whose group g has rewards (tag, g) and response token tag * 10 + g."""
+    """Round `tag`: group g's G rows have response token and reward tag * 10 + g, text
+    "tag.g", and prompts 1 + tag tokens wide."""
     B = len(varying) * G
-    ids = torch.tensor([[tag * 10 + i // G] for i in range(B)])
-    r = Rollouts(torch.ones(B, 1 + tag, dtype=torch.long), torch.ones(B, 1 + tag, dtype=torch.long),
-                 ids, torch.ones(B, 1), torch.zeros(B, 1))
+    group = [tag * 10 + i // G for i in range(B)]
+    prompt = torch.ones(B, 1 + tag, dtype=torch.long)
+    r = Rollouts(prompt, prompt.clone(), torch.tensor(group)[:, None], torch.ones(B, 1),
+                 torch.zeros(B, 1))
     return Round([{"id": (tag, g)} for g in range(len(varying))], r,
-                 [f"{tag}.{i // G}" for i in range(B)], [float(tag * 10 + i // G) for i in range(B)],
+                 [f"{tag}.{i // G}" for i in range(B)], [float(x) for x in group],
                  failures=tag, first_error=None, varying=varying)
 
 
@@ -224,3 +226,65 @@ def test_with_no_constant_group_the_filter_changes_nothing(tmp_path, tiny_overri
                == (0, 0, 0) for r in filtered)
     assert rows[True] == rows[False]
     assert any(r.get(M.GRAD_NORM, 0) > 0 for r in rows[False])  # the steps learned something
+
+
+def test_killed_and_resumed_with_the_filter_on_equals_an_uninterrupted_run(tmp_path):
+    """Extra prompts and seeds are a function of (seed, step, round, rank): a step re-run
+    after kill -9 samples the same rounds."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.torch import load_file
+
+    from gspo.logger import read_metrics
+    from test_bad_inputs import USER
+    from test_run_control import TINY, deterministic, finish, steps_logged
+
+    args = TINY + ["train.steps=4", "train.save_every=1", "rollout.filter_groups=true",
+                   "rollout.filter_max_rounds=3", f"data.reward={USER}:even_answers_constant"]
+
+    def launch(run_dir, resume=False):
+        where = ["--resume", str(run_dir)] if resume else ["--output-dir", str(run_dir)]
+        return subprocess.Popen([sys.executable, "-m", "gspo", "train", *where, *args],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    code, err = finish(launch(ref), timeout=300)
+    assert code == 0, err[-2000:]
+    rows = read_metrics(ref)
+    assert sum(r.get(M.EXTRA_PROMPTS, 0) for r in rows) > 0  # extra rounds were sampled
+    proc = launch(run)
+    t0 = time.monotonic()
+    while steps_logged(run) < 2 and proc.poll() is None and time.monotonic() - t0 < 300:
+        time.sleep(0.05)
+    time.sleep(random.Random(0).uniform(0.0, 0.5))  # into step 3's rounds, or its update
+    assert proc.poll() is None, "the run ended before the kill"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    code, err = finish(launch(run, resume=True), timeout=300)
+    assert code == 0, err[-2000:]
+    assert deterministic(read_metrics(run)) == deterministic(rows)
+    want = load_file(ref / "checkpoints" / "step_000004" / "model.safetensors")
+    got = load_file(run / "checkpoints" / "step_000004" / "model.safetensors")
+    assert set(got) == set(want) and all(bool((got[k] == want[k]).all()) for k in want)
+
+
+def test_moe_routing_replay_runs_on_the_merged_rounds(tmp_path, tiny_overrides, monkeypatch):
+    """pi_old's recompute records the routing of the joined batch and every update forward
+    replays it: with one minibatch each ratio is 1 (a replay of another row's experts, or
+    of another padding, would move it)."""
+    reward = Recorder(half_constant)
+    (batch, row, calls), = stepped(
+        tmp_path, tiny_overrides + FILTER + [
+            "model.name_or_path=tiny-qwen3-moe", "model.moe_intermediate_size=32",
+            "algorithm=grpo", "algorithm.routing_replay=true", "algorithm.minibatches=1"],
+        reward, 1, monkeypatch)
+    assert row[M.EXTRA_PROMPTS] > 0  # rounds were joined
+    assert row[M.RATIO_MIN] == pytest.approx(1.0, abs=1e-5)
+    assert row[M.RATIO_MAX] == pytest.approx(1.0, abs=1e-5)
+    assert 0 <= row[M.MOE + "volatility"] <= 1

@@ -3,10 +3,10 @@ verl's algorithm.filter_groups does it, on each rank's own share of the step.
 
 A group whose G rewards are all equal (as the advantages see them: with
 algorithm.overlong=soft_penalty, the penalty included) has zero advantage: it adds nothing to
-the gradient but still takes its place in the batch. With filtering on, each rank samples its share of the
-step's prompts (round 0: the same prompts and engine seeds as without filtering), drops the
-constant groups, and samples more prompts in extra rounds until its share holds groups whose
-rewards vary, or rollout.filter_max_rounds extra rounds are spent. Slots still empty then take
+the gradient but still takes its place in the batch. With filtering on, each rank samples its
+share of the step's prompts (round 0: the same prompts and engine seeds as without
+filtering), drops the constant groups, and samples more prompts in extra rounds until its
+share holds groups whose rewards vary, or rollout.filter_max_rounds extra rounds are spent. Slots still empty then take
 dropped groups (zero advantage, so they change no gradient), in the order they were sampled:
 the step keeps its shape, so the minibatches divide as before and every rank runs the same
 collectives after sampling. Nothing here is a collective: ranks may take different numbers of
