@@ -15,7 +15,7 @@ import gspo.preflight as preflight
 import gspo.step as step_mod
 import gspo.trainer as trainer
 from gspo import metrics as M
-from gspo.async_rollouts import AsyncSampler
+from gspo.async_rollouts import AsyncSampler, Batch
 from gspo.config import load_config
 from gspo.errors import TrainingError
 from gspo.logger import read_metrics
@@ -35,16 +35,15 @@ class VersionEngine:
 
 
 def make_sampler(engine, k, start, published, delays, fail_at=None):
-    def sample(step):
-        time.sleep(delays.uniform(0, 0.01))
-        seen = (float(engine.w), published[0])  # the weight, and the trainer's newest version
-        return [{"step": step}], seen, [f"{step}"]
-
-    def score(rows, texts):
-        if fail_at is not None and rows[0]["step"] == fail_at:
+    def produce(step, hold):
+        with hold():  # the engine, with the weights of the step's version
+            time.sleep(delays.uniform(0, 0.01))
+            seen = (float(engine.w), published[0])  # the weight, and the trainer's newest version
+        if fail_at is not None and step == fail_at:  # a failure while scoring
             raise KeyError("answr")
-        return [1.0], 0, None
-    return AsyncSampler(engine, k, start, [("w", torch.tensor(float(start)))], sample, score)
+        return Batch([{"step": step}], seen, [f"{step}"], [1.0], 0, None, version=-1,
+                     rollout_s=0.0, reward_s=0.0)
+    return AsyncSampler(engine, k, start, [("w", torch.tensor(float(start)))], produce)
 
 
 @pytest.mark.parametrize("k,start", [(1, 0), (2, 0), (3, 5)])
@@ -108,10 +107,15 @@ def varied(completion, **_):
     return float(sum(map(ord, completion)) % 7)
 
 
-def run_async(tmp_path, tiny_overrides, *extra, resume=False):
+def half_constant(completion, answer, **_):
+    """Constant for the prompts with an even answer: rollout.filter_groups samples more."""
+    return 1.0 if int(answer) % 2 == 0 else varied(completion)
+
+
+def run_async(tmp_path, tiny_overrides, *extra, resume=False, reward_fn=varied):
     trainer.train(load_config(overrides=tiny_overrides + ASYNC + ["rollout.max_staleness=1",
                                                                   *extra]), tmp_path,
-                  resume=resume, reward_fn=varied)
+                  resume=resume, reward_fn=reward_fn)
     return read_metrics(tmp_path)
 
 
@@ -120,18 +124,24 @@ def same(rows):
             for r in rows]
 
 
-def test_an_async_run_equals_its_sequential_reenactment(tmp_path, tiny_overrides):
+@pytest.mark.parametrize("extra, reward_fn", [([], varied),
+                                              (["rollout.filter_groups=true"], half_constant)])
+def test_an_async_run_equals_its_sequential_reenactment(tmp_path, tiny_overrides, extra,
+                                                        reward_fn):
     """max_staleness=1 against the synchronous step driven by hand, the engine loaded with
     the weights of one update earlier before each step: the same rows, bit for bit; and a
-    second asynchronous run gives the same (the threads' timing does not matter)."""
+    second asynchronous run gives the same (the threads' timing does not matter). With
+    rollout.filter_groups the sampler thread samples in rounds, and the evaluations may
+    borrow the engine between them."""
     threads = torch.get_num_threads()
     try:
-        rows = run_async(tmp_path / "a", tiny_overrides)
-        assert same(run_async(tmp_path / "b", tiny_overrides)) == same(rows)
+        rows = run_async(tmp_path / "a", tiny_overrides, *extra, reward_fn=reward_fn)
+        assert same(run_async(tmp_path / "b", tiny_overrides, *extra,
+                              reward_fn=reward_fn)) == same(rows)
         # the reference: one thread's worth of compute as each async thread had
         torch.set_num_threads(max(1, threads // 2))
-        cfg = load_config(overrides=tiny_overrides + ASYNC)
-        run = trainer.prepare(cfg, tmp_path / "ref", resume=False, reward_fn=varied)
+        cfg = load_config(overrides=tiny_overrides + ASYNC + extra)
+        run = trainer.prepare(cfg, tmp_path / "ref", resume=False, reward_fn=reward_fn)
         try:
             run.engine = trainer.build_engine(run.model, run.tokenizer, cfg, own_copy=True)
             first = trainer.run_eval(run)
@@ -154,6 +164,8 @@ def test_an_async_run_equals_its_sequential_reenactment(tmp_path, tiny_overrides
     got = [{k: v for k, v in r.items() if k not in ("step", M.STALENESS)} for r in rows[1:]]
     assert same(got) == same(ref)
     assert not torch.equal(weights[0][0][1], weights[1][0][1])  # the updates moved weights
+    if extra:
+        assert sum(r[M.EXTRA_PROMPTS] for r in rows[1:]) > 0  # it sampled extra rounds
 
 
 def test_a_resumed_async_run_loses_no_update(tmp_path, tiny_overrides):

@@ -163,7 +163,8 @@ def _closed_ends(f: dataclasses.Field) -> list:
 
 
 # overrides that turn on a `when` field's check where the defaults leave it off
-ENABLE = {"model.lora_alpha": ["model.lora_rank=8"], "model.lora_dropout": ["model.lora_rank=8"]}
+ENABLE = {"model.lora_alpha": ["model.lora_rank=8"], "model.lora_dropout": ["model.lora_rank=8"],
+          "rollout.filter_max_rounds": ["rollout.filter_groups=true"]}
 
 OUTSIDE = [(key, bad) for key, f in _declared() for bad in _outside(f)]
 CLOSED = [(key, edge) for key, f in _declared() for edge in _closed_ends(f)]

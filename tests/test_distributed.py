@@ -148,6 +148,32 @@ def test_a_rank_that_stops_answering_fails_the_run_within_the_timeout(tmp_path):
     assert time.monotonic() - t0 < 90  # the 5 s timeout, plus start-up, not a hang
 
 
+def test_filter_groups_on_two_ranks_counts_every_rank_s_rounds(tmp_path, monkeypatch):
+    # each rank fills its own share in as many rounds as it needs (no collective while it
+    # samples); the step's counts are the sums of what each rank's reward calls say
+    log = tmp_path / "calls"
+    args = MODEL + ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=4",
+                    "algorithm.minibatches=2", "train.steps=1", "train.eval_every=0",
+                    "train.save_every=0", "rollout.filter_groups=true",
+                    "rollout.filter_max_rounds=3", "data.reward_fn_timeout=0",
+                    f"data.reward={Path(USER)}:even_answers_constant_logged"]
+    monkeypatch.setenv("GSPO_TEST_REWARD_LOG", str(log))  # launch passes os.environ on
+    torchrun(2, "-m", "gspo", "train", "--output-dir", str(tmp_path / "run"), *args)
+    want = {M.FILTERED_GROUPS: 0, M.EXTRA_PROMPTS: 0, M.FILLED_GROUPS: 0}
+    for rank in range(2):
+        values = [float(x) for x in Path(f"{log}.{rank}").read_text().split()]
+        groups = [values[i:i + 4] for i in range(0, len(values), 4)]
+        varying = sum(len(set(g)) > 1 for g in groups)
+        filled = max(0, 2 - varying)  # each rank's share: 2 prompts
+        assert len(groups) <= (1 + 3) * 2  # the bound
+        want[M.FILTERED_GROUPS] += len(groups) - varying - filled
+        want[M.EXTRA_PROMPTS] += len(groups) - 2
+        want[M.FILLED_GROUPS] += filled
+    (row,) = read_metrics(tmp_path / "run")
+    assert {k: row[k] for k in want} == want
+    assert want[M.FILTERED_GROUPS] + want[M.FILLED_GROUPS] > 0  # some group was constant
+
+
 def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
     return load_file(ckpt / "model.safetensors")

@@ -305,3 +305,19 @@ def test_a_clip_range_far_from_the_objectives_own_is_warned(overrides, words):
     dry_run(load_config(overrides=overrides), out=out)
     warned = [x for x in out.getvalue().splitlines() if x.startswith("warning: algorithm.eps")]
     assert [w.split(":")[1].strip() for w in warned] == words
+
+
+def test_the_report_gives_the_worst_case_rollouts_of_filter_groups():
+    # 2 ranks, 8 prompts x 4: round 0 and up to 3 extra rounds of at most 4 prompts per rank
+    out = io.StringIO()
+    dry_run(load_config(overrides=["rollout.prompts_per_step=8", "rollout.group_size=4",
+                                   "rollout.filter_groups=true", "rollout.filter_max_rounds=3"]),
+            world=2, out=out)
+    lines = [x for x in out.getvalue().splitlines() if x.startswith("filter")]
+    assert lines == ["filter      rollout.filter_groups: groups whose 4 rewards are all equal are "
+                     "dropped and resampled, up to 3 extra rounds; at worst 32 prompts x 4 = 128 "
+                     "rollouts sampled per step (64 per rank, in rounds of at most 16), still 32 "
+                     "trained"]
+    out = io.StringIO()
+    dry_run(load_config(), out=out)
+    assert "\nfilter " not in out.getvalue()

@@ -275,3 +275,61 @@ def test_vllm_routing_lands_on_the_trainers_decoder_positions():
     # row 1: two pad columns (expert 0), then its prompt token and its one response token
     assert layer0[1, :, 0].tolist() == [0, 0, 100, 101]
     assert layer1[1, :, 0].tolist() == [0, 0, 110, 111]
+
+
+# --- Rollouts.select / Rollouts.cat: rounds of other widths joined (rollout.filter_groups) ------
+
+
+def test_cat_pads_each_part_to_the_widest_and_keeps_every_row(model, tok, prompts):
+    engine = HFEngine(model, pad_token_id=tok.pad_token_id)
+    short = engine.generate([prompts[2]], n=2, params=SamplingParams(1.0, 1.0, 2), seed=0)
+    long = engine.generate(prompts[:2], n=2, params=SamplingParams(1.0, 1.0, 6), seed=1)
+    assert short.prompt_ids.shape[1] < long.prompt_ids.shape[1]
+    both = Rollouts.cat([short, long], pad_id=tok.pad_token_id)
+    B, Lp, T = 6, long.prompt_ids.shape[1], max(short.response_ids.shape[1],
+                                                long.response_ids.shape[1])
+    assert both.prompt_ids.shape == (B, Lp) and both.response_ids.shape == (B, T)
+    for part, rows in ((short, range(0, 2)), (long, range(2, 6))):
+        for i, row in enumerate(rows):  # the real tokens, unchanged and in place
+            p, r = part.prompt_mask[i].bool(), part.response_mask[i].bool()
+            assert torch.equal(both.prompt_ids[row][both.prompt_mask[row].bool()],
+                               part.prompt_ids[i][p])
+            assert torch.equal(both.response_ids[row][both.response_mask[row].bool()],
+                               part.response_ids[i][r])
+            assert torch.equal(both.logp[row][both.response_mask[row].bool()], part.logp[i][r])
+    # the new padding: pad ids under mask 0, log-prob 0
+    assert (both.prompt_ids[:2, :Lp - short.prompt_ids.shape[1]] == tok.pad_token_id).all()
+    assert both.prompt_mask[:2, :Lp - short.prompt_ids.shape[1]].sum() == 0
+    assert both.logp[both.response_mask == 0].abs().sum() == 0
+    # padding changes nothing: the policy's log-probs of each part, in the joined batch
+    joined = recompute(model, both, 1.0)
+    for part, rows in ((short, slice(0, 2)), (long, slice(2, 6))):
+        alone = recompute(model, part, 1.0)
+        got = joined[rows, :alone.shape[1]] * part.response_mask
+        torch.testing.assert_close(got, alone * part.response_mask, rtol=1e-5, atol=1e-5)
+
+
+def test_select_and_cat_carry_moe_routing_position_for_position():
+    # 2 rows of prompt 2 + response 3 (4 decoder positions) and 1 row of prompt 3 + response 1
+    # (3 positions); joined at prompt 3 + response 3: 5 positions, the first part's shifted
+    # right by one (its prompt is padded on the left), the second's padded on the right
+    def part(B, Lp, T, first):
+        ids = torch.arange(B * Lp).view(B, Lp) + 1
+        route = torch.arange(first, first + B * (Lp + T - 1)).view(B, Lp + T - 1, 1)
+        return Rollouts(ids, torch.ones(B, Lp, dtype=torch.long),
+                        torch.full((B, T), 9), torch.ones(B, T), torch.full((B, T), -1.0),
+                        routing=[route, route + 1000])
+    a, b = part(2, 2, 3, 100), part(1, 3, 1, 200)
+    both = Rollouts.cat([a, b], pad_id=0)
+    assert [x.shape for x in both.routing] == [(3, 5, 1)] * 2
+    assert both.routing[0][:, :, 0].tolist() == [[0, 100, 101, 102, 103],
+                                                 [0, 104, 105, 106, 107],
+                                                 [200, 201, 202, 0, 0]]
+    assert torch.equal(both.routing[1][2, :3], b.routing[1][0])
+    assert both.input_ids.shape[1] - 1 == both.routing[0].shape[1]
+    picked = both.select(torch.tensor([2, 0]))
+    assert picked.routing[0][:, :, 0].tolist() == [[200, 201, 202, 0, 0], [0, 100, 101, 102, 103]]
+    assert torch.equal(picked.prompt_ids, both.prompt_ids[[2, 0]])
+    with pytest.raises(ValueError, match="some parts carry MoE routing"):
+        Rollouts.cat([a, Rollouts(b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask,
+                                  b.logp)], pad_id=0)

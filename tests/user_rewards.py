@@ -37,3 +37,17 @@ def sleeps(completion: str, **_) -> float:
 
 def text(completion: str, **_) -> str:
     return "1"  # a number as text: a bug (a parsed label never converted), not a reward
+
+
+def even_answers_constant(completion: str, answer: str = "", **_) -> float:
+    """1 for every response to a prompt whose answer is even (its group constant, rewards all
+    equal), else a score that varies with the response (rollout.filter_groups' tests)."""
+    return 1.0 if int(answer) % 2 == 0 else float(sum(map(ord, completion)) % 5)
+
+
+def even_answers_constant_logged(completion: str, answer: str = "", **_) -> float:
+    """even_answers_constant, each value appended to $GSPO_TEST_REWARD_LOG.<rank>."""
+    value = even_answers_constant(completion, answer)
+    with open(f"{os.environ['GSPO_TEST_REWARD_LOG']}.{os.environ.get('RANK', '0')}", "a") as f:
+        f.write(f"{value}\n")
+    return value

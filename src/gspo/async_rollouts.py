@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 
 from gspo.engines import Rollouts
+from gspo.group_filter import FilterStats
 
 WAIT_POLL_S = 0.5  # how often a waiting thread re-checks that the other is alive
 
@@ -45,24 +45,26 @@ class Batch:
     version: int            # the weight version the rollouts were sampled from
     rollout_s: float        # sampling (and decoding) time, in the sampler's thread
     reward_s: float
+    filter: FilterStats | None = None  # rollout.filter_groups: what it dropped and sampled
 
 
 class AsyncSampler:
     """Samples step m's batch from weight version max(start, m - k) in a background thread.
 
-    sample(step) -> (rows, rollouts, texts): runs in the sampler's thread (no collectives);
-    score(rows, texts) -> (rewards, failures, first_error): likewise, after sample.
+    produce(step, hold) -> Batch: runs in the sampler's thread (no collectives) and uses the
+    engine only inside `with hold():`, which holds it with the step's weights loaded (an
+    evaluation borrows it between two such blocks; the next reloads them). The sampler sets
+    the batch's version.
     """
 
     def __init__(self, engine, staleness: int, start: int,
                  weights: Iterable[tuple[str, torch.Tensor]],
-                 sample: Callable[[int], tuple[list[dict], Rollouts, list[str]]],
-                 score: Callable[[list[dict], list[str]], tuple[list[float], int, str | None]],
+                 produce: Callable[[int, Callable[[], contextlib.AbstractContextManager]], Batch],
                  threads: int | None = None):
         if staleness < 1:
             raise ValueError(f"max_staleness={staleness}: the sampler runs ahead by 1 or more")
         self.engine, self.k, self.start = engine, staleness, start
-        self._sample, self._score, self._threads = sample, score, threads
+        self._make, self._threads = produce, threads
         self._cond = threading.Condition()
         self._engine_lock = threading.Lock()  # the engine is the sampler's, or evaluation's
         # version -> its weights: `start`'s (the engine holds them too, until an evaluation
@@ -138,17 +140,8 @@ class AsyncSampler:
                     if self._closing:
                         return
                     snapshot = self._snapshots[version]
-                with self._engine_lock:
-                    if self._engine_version != version:
-                        self.engine.load_weights(snapshot)
-                        self._engine_version = version
-                    t0 = time.perf_counter()
-                    rows, rollouts, texts = self._sample(step)
-                    rollout_s = time.perf_counter() - t0
-                t1 = time.perf_counter()
-                rewards, failures, first = self._score(rows, texts)
-                batch = Batch(rows, rollouts, texts, rewards, failures, first, version,
-                              rollout_s, time.perf_counter() - t1)
+                batch = self._make(step, lambda: self._engine_at(version, snapshot))
+                batch.version = version
                 with self._cond:
                     self._batches[step] = batch
                     # versions no batch from step + 1 on will be sampled from
@@ -160,6 +153,16 @@ class AsyncSampler:
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
+
+
+    @contextlib.contextmanager
+    def _engine_at(self, version: int, snapshot: list[tuple[str, torch.Tensor]]):
+        """The engine, held against evaluation, with version `version`'s weights."""
+        with self._engine_lock:
+            if self._engine_version != version:
+                self.engine.load_weights(snapshot)
+                self._engine_version = version
+            yield self.engine
 
 
 def _snapshot(weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

@@ -74,6 +74,10 @@ def _generated(d: DataConfig) -> bool:  # the task makes its rows rather than re
     return task is not None and task.make_rows is not None
 
 
+def _filtering(r: RolloutConfig) -> bool:
+    return r.filter_groups
+
+
 def _holds_out(d: DataConfig) -> bool:  # data.n_eval rows are generated or held out of data.path
     return _generated(d) or not d.eval_path
 
@@ -212,6 +216,17 @@ class RolloutConfig:
                             gt=0)
     top_p: float = _f(1.0, "nucleus sampling threshold", gt=0, le=1)
     max_new_tokens: int = _f(8, "maximum response length in tokens", gt=0)
+    filter_groups: bool = _f(False, "DAPO's dynamic sampling (verl's algorithm.filter_groups): "
+                             "drop the groups whose G rewards are all equal (zero advantage) "
+                             "and sample more prompts, in up to filter_max_rounds extra rounds, "
+                             "until prompts_per_step groups whose rewards vary fill the step "
+                             "(each rank its own share); slots still empty then keep dropped "
+                             "groups, so the step's shape never changes "
+                             "(rollout/filled_groups)")
+    filter_max_rounds: int = _f(4, "filter_groups: extra sampling rounds per step at most, each "
+                                "of up to prompts_per_step prompts (per rank its share): a step "
+                                "samples at most (1 + this) x prompts_per_step groups", ge=1,
+                                when=_filtering)
 
 
 @dataclass
@@ -519,6 +534,11 @@ def resolve(cfg: Config) -> Config:
                           f"group_size {r.group_size}) is not divisible by algorithm.minibatches "
                           f"{a.minibatches}")
     _fold_tis(a)
+    if r.filter_groups and a.routing_replay and a.old_logprobs == "rollout":
+        raise ConfigError("rollout.filter_groups does not run with algorithm.routing_replay and "
+                          "algorithm.old_logprobs=rollout yet (pi_old's routing is recorded as "
+                          "the engine samples, one round at a time); set "
+                          "algorithm.old_logprobs=recompute")
     if a.overlong == "soft_penalty" and a.overlong_buffer >= r.max_new_tokens:
         raise ConfigError(f"algorithm.overlong_buffer={a.overlong_buffer} must be below "
                           f"rollout.max_new_tokens={r.max_new_tokens} (the penalty starts that "

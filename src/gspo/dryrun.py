@@ -233,6 +233,20 @@ def objective_line(cfg: Config) -> str:
             + "; ".join(on))
 
 
+def filter_lines(cfg: Config, world: int) -> list[str]:
+    """rollout.filter_groups: the most a step can sample (every round, every group constant)."""
+    r = cfg.rollout
+    if not r.filter_groups:
+        return []
+    most = (1 + r.filter_max_rounds) * r.prompts_per_step
+    return [f"filter      rollout.filter_groups: groups whose {r.group_size} rewards are all "
+            f"equal are dropped and resampled, up to {r.filter_max_rounds} extra rounds; at "
+            f"worst {most:,} prompts x {r.group_size} = {most * r.group_size:,} rollouts "
+            f"sampled per step ({most // world * r.group_size:,} per rank, in rounds of at most "
+            f"{r.prompts_per_step // world * r.group_size:,}), still "
+            f"{r.prompts_per_step * r.group_size:,} trained"]
+
+
 def print_report(cfg: Config, f: dict, model, tokenizer, sample: str, measured: int,
                  warnings: list[str], out: TextIO) -> None:
     r, a, m = cfg.rollout, cfg.algorithm, f["memory"]
@@ -260,6 +274,7 @@ def print_report(cfg: Config, f: dict, model, tokenizer, sample: str, measured: 
         f"{a.minibatches} minibatches of {seqs // a.minibatches:,} ({seqs // world // a.minibatches:,} "
         f"per rank)",
         f"objective   {objective_line(cfg)}",
+        *filter_lines(cfg, world),
         f"tokens      per sequence <= {per_seq:,} = prompt <= {f['prompt_tokens_max']:,} "
         f"(mean {f['prompt_tokens_mean']:.0f}, {measured:,} prompts measured) + "
         f"max_new_tokens {r.max_new_tokens:,}; per step <= {seqs * per_seq:,} "

@@ -12,7 +12,9 @@ big batch on one process would give.
 from __future__ import annotations
 
 # ---- one row per RL step
-REWARD_MEAN = "reward/mean"            # mean reward of the step's completions
+REWARD_MEAN = "reward/mean"            # mean reward of the step's completions (with
+                                       # rollout.filter_groups: of those trained on, not the
+                                       # dropped groups)
 REWARD_STD = "reward/std"              # their standard deviation (unbiased)
 REWARD_FAILURES = "reward/failures"    # reward calls that raised, timed out or gave no number
 LOSS = "loss"                          # the minimised loss, mean over the step's minibatches
@@ -39,6 +41,11 @@ TOKENS_PER_S = "throughput/tokens_per_s"
 STALENESS = "rollout/staleness"        # updates between the sampling weights and the trainer's
 TIME_SAMPLE = "time/sample_s"          # rollout.max_staleness >= 1: sampling, in its own thread
                                        # (time/rollout_s is then the trainer's wait for it)
+FILTERED_GROUPS = "rollout/filtered_groups"  # rollout.filter_groups, summed over ranks: groups
+                                       # whose rewards were all equal, dropped
+EXTRA_PROMPTS = "rollout/extra_prompts"  # ... prompts sampled beyond rollout.prompts_per_step
+FILLED_GROUPS = "rollout/filled_groups"  # ... slots that rollout.filter_max_rounds left to
+                                       # dropped groups (trained on, zero advantage)
 IS_WEIGHT_MEAN = "is/weight_mean"       # algorithm.is_correction: its weights' mean over tokens
 IS_WEIGHT_MIN = "is/weight_min"
 IS_WEIGHT_MAX = "is/weight_max"

@@ -117,6 +117,19 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group") -> 
     return adv.flatten()
 
 
+def varying_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """(P,) bool: the groups whose rewards vary, std above the floor under which
+    group_advantages treats them as equal. The others carry zero advantage whatever the scale
+    (group, batch or none: mean-centred, they are 0 up to rounding), so they teach nothing:
+    DAPO's dynamic sampling (rollout.filter_groups) drops them. rewards: (B,) prompt-major,
+    B = P * group_size, group_size >= 2."""
+    if group_size < 2 or rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} are not groups of "
+                         f"{group_size} >= 2 responses")
+    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32)).view(-1, group_size)
+    return r.std(-1) > _STD_FLOOR  # (P,)
+
+
 def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float = 1.0
                      ) -> Tensor:
     """DAPO's soft overlong punishment (Yu et al., arXiv 2503.14476, eq. 13), added to the

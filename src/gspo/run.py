@@ -62,6 +62,7 @@ class Run:
     warmup_s: float = 0.0
     reward_window: list = field(default_factory=list)  # (completions, failures) of recent steps
     constant_reward_steps: int = 0           # consecutive steps whose rewards were all equal
+    filter_warned: bool = False              # rollout.filter_groups said its bound was hit
 
     @property
     def start_step(self) -> int:

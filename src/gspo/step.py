@@ -2,8 +2,9 @@
 
     rl_step    produce -> consume, each phase timed and shown to the run's callbacks
     produce    this rank's share of the step's prompts, G responses to each, decoded and
-               scored (with rollout.max_staleness >= 1 it runs in the sampler's thread, so it
-               holds no collective)
+               scored; with rollout.filter_groups, more prompts in place of the groups whose
+               rewards are all equal (gspo.group_filter). With rollout.max_staleness >= 1 it
+               runs in the sampler's thread (sample_batch), so it holds no collective
     consume    group advantages -> pi_old (and pi_ref) -> minibatch updates, each weighted by
                the off-policy correction (algorithm.is_correction) -> the engine's new
                weights -> the step's row of metrics
@@ -30,8 +31,9 @@ from gspo.distributed import Dist, as_local, no_sync
 from gspo.engines import Rollouts, SamplingParams, stop_token_ids
 from gspo.errors import TrainingError
 from gspo.metrics import WeightedMean
+from gspo.group_filter import Round, extra_prompts, fill, merge
 from gspo.objectives import (OBJECTIVES, engine_mismatch, group_advantages, importance_weights,
-                             kl_k3, overlong_penalty)
+                             kl_k3, overlong_penalty, varying_groups)
 from gspo.run import Run, policy_weights
 from gspo.signals import StopRequest
 
@@ -70,7 +72,12 @@ def _phase(run: Run, step: int, name: str, times: dict[str, float]):
 
 def produce(run: Run, step: int, stop: StopRequest | None = None) -> Batch | None:
     """Step `step`'s batch, sampled from the current weights (the synchronous step). None when
-    `stop` is requested after the sampling (the rewards are not computed)."""
+    `stop` is requested after the sampling (the rewards are not computed, except those that
+    rollout.filter_groups needed to choose its groups)."""
+    if run.cfg.rollout.filter_groups:
+        batch = filtered_batch(run, step)
+        run.engine.sleep()
+        return None if stop is not None and stop.requested(run.dist) else batch
     t0 = time.perf_counter()
     rows, rollouts, texts = sample(run, step)
     run.engine.sleep()  # until the update's push (an engine that sleeps: EngineSettings)
@@ -83,30 +90,61 @@ def produce(run: Run, step: int, stop: StopRequest | None = None) -> Batch | Non
                  rollout_s=rollout_s, reward_s=time.perf_counter() - t1)
 
 
-def sample(run: Run, step: int) -> tuple[list[dict], Rollouts, list[str]]:
+def sample_batch(run: Run, step: int, hold=contextlib.nullcontext) -> Batch:
+    """Step `step`'s batch, sampled and scored: the sampler thread's producer. The engine is
+    used only inside `with hold():`, which gives it the weights this step samples from (and
+    lets an evaluation borrow it between rounds); the batch's version is the caller's to set."""
+    if run.cfg.rollout.filter_groups:
+        return filtered_batch(run, step, hold)
+    with hold():
+        t0 = time.perf_counter()
+        rows, rollouts, texts = sample(run, step)
+        rollout_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    rewards, failures, first_error = score_texts(run, rows, texts)
+    return Batch(rows, rollouts, texts, rewards, failures, first_error, version=step,
+                 rollout_s=rollout_s, reward_s=time.perf_counter() - t1)
+
+
+def sample(run: Run, step: int, round: int = 0, n: int = 0
+           ) -> tuple[list[dict], Rollouts, list[str]]:
     """This rank's share of step `step`'s prompts, G responses to each, decoded (no
-    collectives: with rollout.max_staleness >= 1 it runs in the sampler's thread)."""
-    r = run.cfg.rollout
-    rows = step_prompts(run.train_rows, step, r.prompts_per_step, run.cfg.train.seed)
-    share = len(rows) // run.dist.world
-    rows = rows[run.dist.rank * share:(run.dist.rank + 1) * share]
-    rollouts = generate(run, rows, step)
+    collectives: with rollout.max_staleness >= 1 it runs in the sampler's thread). round >= 1:
+    rollout.filter_groups' extra round, n more prompts (gspo.group_filter.extra_prompts)."""
+    r, d, seed = run.cfg.rollout, run.dist, run.cfg.train.seed
+    first = step_indices(len(run.train_rows), step, r.prompts_per_step, seed)
+    share = len(first) // d.world
+    if round == 0:
+        index = first[d.rank * share:(d.rank + 1) * share]
+    else:
+        index = extra_prompts(len(run.train_rows), first, step, round, n, share, d.rank, d.world,
+                              seed)
+    rows = [run.train_rows[i] for i in index]
+    rollouts = generate(run, rows, step, round)
     return rows, rollouts, decode_responses(run.tokenizer, rollouts)
 
 
 def step_prompts(rows: list[dict], step: int, n: int, seed: int) -> list[dict]:
     """The prompts of RL step `step`: a function of (seed, step) alone, so resume is exact."""
+    return [rows[i] for i in step_indices(len(rows), step, n, seed)]
+
+
+def step_indices(n_rows: int, step: int, n: int, seed: int) -> list[int]:
+    """The row indices of step_prompts."""
     rng = random.Random(seed * 1_000_003 + step)
-    return [rows[i] for i in rng.sample(range(len(rows)), min(n, len(rows)))]
+    return rng.sample(range(n_rows), min(n, n_rows))
 
 
-def generate(run: Run, rows: list[dict], step: int) -> Rollouts:
+def generate(run: Run, rows: list[dict], step: int, round: int = 0) -> Rollouts:
     """Sample G responses per prompt (recording the engine's MoE routing when pi_old's is
-    taken from it)."""
+    taken from it). round: rollout.filter_groups' sampling round, seeded apart from round 0,
+    whose seeds are the step's without filtering."""
     r = run.cfg.rollout
     prompts = encode_prompts(run.tokenizer, rows, run.cfg.data.system_prompt or None)
     params = SamplingParams(r.temperature, r.top_p, r.max_new_tokens)
     seed = run.cfg.train.seed * 7_919 + step + 1_000_003 * run.dist.rank
+    if round:
+        seed = random.Random(f"gspo-filter-groups/{seed}/{round}").getrandbits(31)
     with run.routing.sampling(len(prompts) * r.group_size):
         rollouts = run.engine.generate(prompts, n=r.group_size, params=params, seed=seed)
     run.routing.sampled(rollouts.input_ids.shape[1] - 1, rollouts.routing)
@@ -120,6 +158,44 @@ def score_texts(run: Run, rows: list[dict], texts: list[str]):
                  timeout=run.cfg.data.reward_fn_timeout or None)
 
 
+def filtered_batch(run: Run, step: int, hold=contextlib.nullcontext) -> Batch:
+    """rollout.filter_groups: rounds of sampling and scoring until this rank's share of the
+    step holds groups whose rewards vary, or the bound is spent (gspo.group_filter). The
+    engine is used only inside `with hold():`, as in sample_batch."""
+    r = run.cfg.rollout
+    times = {"rollout": 0.0, "reward": 0.0}
+
+    def one_round(round: int, n: int) -> Round:
+        with hold():
+            t0 = time.perf_counter()
+            rows, rollouts, texts = sample(run, step, round, n)
+            times["rollout"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        rewards, failures, first_error = score_texts(run, rows, texts)
+        times["reward"] += time.perf_counter() - t1
+        trained, _ = shaped_rewards(run, rollouts, torch.tensor(rewards, device=run.dist.device))
+        return Round(rows, rollouts, texts, rewards, failures, first_error,
+                     varying_groups(trained, r.group_size).tolist())
+
+    rounds, picks, stats = fill(one_round, r.prompts_per_step // run.dist.world,
+                                r.filter_max_rounds)
+    pad = run.tokenizer.pad_token_id
+    rows, rollouts, texts, rewards = merge(rounds, picks, r.group_size,
+                                           pad if pad is not None else 0)
+    if stats.filled and not run.filter_warned:
+        run.filter_warned = True
+        log.warning("rollout.filter_groups: %d extra round(s) left %d of the %d groups of step "
+                    "%d on rank %d with rewards all equal (no gradient from them); "
+                    "rollout/filled_groups counts such groups every step: raise "
+                    "rollout.filter_max_rounds, or the data or reward may be too easy or too "
+                    "hard for the policy", stats.rounds, stats.filled, len(picks), step + 1,
+                    run.dist.rank)
+    errors = [rd.first_error for rd in rounds if rd.first_error]
+    return Batch(rows, rollouts, texts, rewards, sum(rd.failures for rd in rounds),
+                 errors[0] if errors else None, version=step, rollout_s=times["rollout"],
+                 reward_s=times["reward"], filter=stats)
+
+
 # --------------------------------------------------------------------------------------------
 # the consumer: advantages, pi_old, updates, metrics
 
@@ -131,19 +207,15 @@ def consume(run: Run, step: int, batch: Batch, times: dict[str, float]) -> dict[
     cfg, d = run.cfg, run.dist
     rollouts = batch.rollouts
     # ---- group advantages
-    n, failures = check_reward_failures(run, step, len(batch.rewards), batch.reward_failures,
+    scored = batch.filter.scored if batch.filter else len(batch.rewards)  # all rounds
+    _, failures = check_reward_failures(run, step, scored, batch.reward_failures,
                                         batch.first_error)
+    n = len(batch.rewards) * d.world  # the trained completions: the same number on each rank
     rewards = torch.tensor(batch.rewards, device=d.device)  # (B,)
     # ---- responses cut at the budget: a length penalty on the reward, or out of the loss
     cut = truncated(rollouts, stop_token_ids(run.model, run.tokenizer),
                     cfg.rollout.max_new_tokens)  # (B,) bool
-    trained, penalty = rewards, None
-    if cfg.algorithm.overlong == "soft_penalty":
-        a = cfg.algorithm
-        penalty = overlong_penalty(rollouts.response_lengths, cfg.rollout.max_new_tokens,
-                                   a.overlong_buffer or cfg.rollout.max_new_tokens // 4,
-                                   a.overlong_penalty).to(rewards.dtype)
-        trained = rewards + penalty
+    trained, penalty = shaped_rewards(run, rollouts, rewards)
     keep = ~cut if cfg.algorithm.overlong == "mask" else None
     adv = group_advantages(trained, cfg.rollout.group_size, cfg.algorithm.advantage_scale)
     # ---- pi_old (and pi_ref)
@@ -174,7 +246,14 @@ def consume(run: Run, step: int, batch: Batch, times: dict[str, float]) -> dict[
         totals.add_total(M.OVERLONG_PENALTY, penalty.sum(), len(rewards))
     totals.add_sum("squares", (rewards ** 2).sum())
     totals.add_sum("tokens", mask.sum())
+    f = batch.filter
+    if f is not None:
+        for name, count in ((M.FILTERED_GROUPS, f.filtered), (M.EXTRA_PROMPTS, f.extra_prompts),
+                            (M.FILLED_GROUPS, f.filled)):
+            totals.add_sum(name, count)
     row = totals.result(d)
+    if f is not None:
+        row.update({k: int(row[k]) for k in (M.FILTERED_GROUPS, M.EXTRA_PROMPTS, M.FILLED_GROUPS)})
     r_mean, r_sq = row[M.REWARD_MEAN], row.pop("squares")
     row[M.REWARD_STD] = math.sqrt(max(0.0, (r_sq - n * r_mean ** 2) / max(1.0, n - 1)))
     warn_constant_reward(run, row[M.REWARD_STD], step)
@@ -185,6 +264,20 @@ def consume(run: Run, step: int, batch: Batch, times: dict[str, float]) -> dict[
                 M.TIME_ROLLOUT: times["rollout"], M.TIME_OLD_LOGP: times["old_logp"],
                 M.TIME_UPDATE: times["update"]})
     return row
+
+
+def shaped_rewards(run: Run, r: Rollouts, rewards: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the rewards the advantages see, the overlong penalty in them or None): with
+    algorithm.overlong=soft_penalty DAPO's length penalty is added to the task's reward."""
+    cfg = run.cfg
+    if cfg.algorithm.overlong != "soft_penalty":
+        return rewards, None
+    a = cfg.algorithm
+    penalty = overlong_penalty(r.response_lengths, cfg.rollout.max_new_tokens,
+                               a.overlong_buffer or cfg.rollout.max_new_tokens // 4,
+                               a.overlong_penalty).to(rewards.dtype)
+    return rewards + penalty, penalty
 
 
 def truncated(r: Rollouts, stop_ids: list[int], max_new_tokens: int) -> torch.Tensor:

@@ -47,7 +47,7 @@ from gspo.run import Run, Summary, policy_weights
 from gspo.runlock import exclusive
 from gspo.runrecord import write_record
 from gspo.signals import Interrupted, StopRequest, under_torchrun
-from gspo.step import rl_step, sample, score_texts
+from gspo.step import rl_step, sample_batch
 from gspo.trackers import require as require_trackers
 from gspo.warmup import warmup
 from gspo.weights import copy_weights_
@@ -273,8 +273,7 @@ def start_sampler(run: Run) -> None:
              "%d", sampler_threads or torch.get_num_threads(), torch.get_num_threads())
     run.sampler = AsyncSampler(run.engine, run.cfg.rollout.max_staleness, run.start_step,
                                policy_weights(run.policy, run.model),
-                               lambda step: sample(run, step),
-                               lambda rows, texts: score_texts(run, rows, texts),
+                               lambda step, hold: sample_batch(run, step, hold),
                                sampler_threads)
 
 

@@ -1,6 +1,7 @@
 """The engine contract: what every rollout engine takes and returns.
 
-- `SamplingParams`: how to sample; `Rollouts`: the padded batch every engine returns.
+- `SamplingParams`: how to sample; `Rollouts`: the padded batch every engine returns (`select`:
+  some of its rows; `Rollouts.cat`: batches of other widths joined).
 - `RolloutEngine`: the Protocol (`generate`, `load_weights`, and the capability attributes).
 - `EngineSettings`: what an engine class makes of the run's rollout settings (its `settings`).
 - `left_pad` / `right_pad` / `to_rollouts`: per-row lists into padded tensors.
@@ -81,6 +82,47 @@ class Rollouts:
         moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
         routing = None if self.routing is None else [x.to(device) for x in self.routing]
         return Rollouts(**moved, routing=routing)
+
+    def select(self, rows: torch.Tensor) -> "Rollouts":
+        """Rows `rows` (a long index tensor), in that order, at the same widths."""
+        picked = {k: v[rows] for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        routing = None if self.routing is None else [x[rows] for x in self.routing]
+        return Rollouts(**picked, routing=routing)
+
+    @staticmethod
+    def cat(parts: list["Rollouts"], pad_id: int) -> "Rollouts":
+        """The rows of `parts` one after the other (each part's layout, prompt-major, kept),
+        padded to the widest prompt (on the left) and response (on the right): new prompt and
+        response positions hold pad_id under mask 0, log-prob 0, and routing expert 0. The
+        routing of all parts or of none."""
+        if not parts:
+            raise ValueError("Rollouts.cat needs at least one part")
+        if len({p.routing is None for p in parts}) > 1:
+            raise ValueError("Rollouts.cat: some parts carry MoE routing and others do not")
+        Lp = max(p.prompt_ids.shape[1] for p in parts)
+        T = max(p.response_ids.shape[1] for p in parts)
+
+        def widen(x: torch.Tensor, left: int, right: int, value) -> torch.Tensor:
+            # along dim 1, the positions (F.pad lists the last dim first: routing's top-k)
+            pad = (0, 0) * (x.dim() - 2) + (left, right)
+            return torch.nn.functional.pad(x, pad, value=value) if left or right else x
+
+        out = {}
+        for name, value, side in (("prompt_ids", pad_id, "left"), ("prompt_mask", 0, "left"),
+                                  ("response_ids", pad_id, "right"),
+                                  ("response_mask", 0, "right"), ("logp", 0, "right")):
+            out[name] = torch.cat([
+                widen(getattr(p, name), Lp - p.prompt_ids.shape[1] if side == "left" else 0,
+                      T - p.response_ids.shape[1] if side == "right" else 0, value)
+                for p in parts])
+        routing = None
+        if parts[0].routing is not None:
+            # decoder position j predicts token j + 1: Lp + T - 1 positions, the prompt's
+            # padding on the left, the response's on the right
+            routing = [torch.cat([widen(p.routing[layer], Lp - p.prompt_ids.shape[1],
+                                        T - p.response_ids.shape[1], 0) for p in parts])
+                       for layer in range(len(parts[0].routing))]
+        return Rollouts(**out, routing=routing)
 
 
 @dataclass(frozen=True)
