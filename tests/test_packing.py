@@ -125,10 +125,11 @@ def f64_run(tmp_path, monkeypatch):
     response = torch.randint(4, vocab, (P * G, T), generator=g)
     mask = (torch.arange(T)[None] < torch.tensor(LENGTHS)[:, None]).double()
     r = Rollouts(prompt, prompt_mask, response, mask, torch.zeros(P * G, T, dtype=torch.float64))
+    r, device = r.to(run.dist.device), run.dist.device
     with torch.no_grad():
         old = run.policy(r.input_ids, r.attention_mask, T, 1.0, 1024)
-    old = old + 0.01 * torch.randn(old.shape, generator=g, dtype=torch.float64)
-    adv = torch.randn(P * G, generator=g, dtype=torch.float64)
+    old = old + 0.01 * torch.randn(old.shape, generator=g, dtype=torch.float64).to(device)
+    adv = torch.randn(P * G, generator=g, dtype=torch.float64).to(device)
     yield run, r, old, adv
     close_run(run)
 
