@@ -6,9 +6,10 @@
 
 Both runs are built up front from the same config (same model, prompts, seeds) and stepped in
 turn (fixed step 0, packed step 0, fixed step 1, ...), so both see the same background load.
-The learning rate is 1e-30 unless overridden: the updates do all their work but move no
-weight, so both runs sample the same rollouts at every step (the two layouts round
-differently, and at a real learning rate the samples part ways after the first update; the
+The learning rate is 1e-50 unless overridden, so small that AdamW's step rounds to 0 in
+float32: the updates do all their work but move no weight, and both runs sample the same
+rollouts at every step (the two layouts round differently, so at a real learning rate, or even
+at 1e-30, which moves weights that are 0, the samples part ways after the first update; the
 table says whether they stayed the same). Step 0 warms up (allocator, AdamW state) and is not
 timed. The budget defaults to
 what a fixed micro-batch may hold at worst, --micro x (longest training prompt +
@@ -33,7 +34,7 @@ from common import table, write_json  # noqa: E402
 from gspo import Callback, close_run, encode_prompts, load_config, prepare, rl_step  # noqa: E402
 
 BASE = ["warmup.steps=0", "train.eval_every=0", "train.save_every=0", "train.progress=false",
-        "train.tensorboard=false", "optim.lr=1e-30"]
+        "train.tensorboard=false", "optim.lr=1e-50"]
 PHASES = ("old_logp", "update")
 
 
