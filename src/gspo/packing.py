@@ -34,7 +34,7 @@ def pack_by_tokens(lengths: Sequence[int], prompt_width: int, budget: int, group
         than the budget is split into single rows. n must be a multiple of it.
     count: at least this many micro-batches (under FSDP2 every rank must run the same number of
         forwards): the costliest micro-batch of more than one row is halved until there are
-        (at most n).
+        that many, or n.
 
     Rows are taken longest first, and each micro-batch is filled in that order until the next
     unit would break the budget; so micro-batches come longest first. A row that alone exceeds
