@@ -158,3 +158,15 @@ def test_precision_benchmark_measures_the_update_direction(tmp_path):
     rows = {r["mode"]: r for r in res["rows"]}
     assert rows["fp32"]["same_direction"] == 1.0 and rows["fp32"]["moved"] > 0.9
     assert rows["bf16-true"]["moved"] < 0.1  # lr 1e-6 vanishes in bf16 weights
+
+
+def test_token_budget_benchmark_times_fixed_and_packed_micro_batches(tmp_path):
+    res = run("token_budget.py", "--steps", "1", "--micro", "2", "model.hidden_size=32",
+              "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
+              "model.intermediate_size=64", "rollout.prompts_per_step=2", "rollout.group_size=2",
+              "rollout.max_new_tokens=6", "algorithm.minibatches=1", "data.n_train=50",
+              "data.n_eval=4", tmp_path=tmp_path)
+    fixed, packed = res["rows"]
+    assert fixed["system"] == "2 rows each" and packed["system"].endswith("tokens each")
+    assert all(r["update_s"] > 0 and r["update_positions"] > 0 for r in res["rows"])
+    assert res["budget"] > 0 and fixed["update_speedup"] == 1.0

@@ -79,6 +79,35 @@ def test_two_ranks_give_the_single_process_update(tmp_path, aggregation, mode):
     assert one["metrics"][M.GRAD_NORM] > 0
 
 
+def test_two_ranks_packing_different_numbers_of_micro_batches_give_the_single_process_update(
+        tmp_path):
+    # train.max_tokens_per_micro=18 over the worker's batch (prompt width 5; rank 0's responses
+    # shorter than rank 1's) packs 4 micro-batches on rank 0 and 6 on rank 1. DDP runs them as
+    # they are: one synchronised backward per rank per minibatch, whatever the count. FSDP2
+    # cannot (each forward and backward of a sharded layer is a collective): every rank packs
+    # the all-reduced max, 6
+    from dist_update_worker import fixed_batch
+    from gspo.models import build_tokenizer
+    from gspo.packing import pack_by_tokens
+    lengths = fixed_batch(16, len(build_tokenizer()))[0].response_lengths.tolist()
+    assert [len(pack_by_tokens(lengths[k * 8:(k + 1) * 8], 5, 18, 4)[0]) for k in (0, 1)] == [4, 6]
+    common = MODEL + ["algorithm=gspo", "rollout.prompts_per_step=4", "rollout.group_size=4",
+                      "algorithm.minibatches=1"]
+    torchrun(1, str(WORKER), str(tmp_path / "one.pt"), *common)
+    one = torch.load(tmp_path / "one.pt")
+    for mode in ("ddp", "fsdp"):
+        torchrun(2, str(WORKER), str(tmp_path / f"{mode}.pt"), *common,
+                 "train.max_tokens_per_micro=18", f"train.data_parallel={mode}")
+        two = torch.load(tmp_path / f"{mode}.pt")
+        assert two["sharded"] == (mode == "fsdp")
+        for k, g in one["grads"].items():
+            torch.testing.assert_close(two["grads"][k], g, rtol=1e-4, atol=1e-7, msg=f"{mode} {k}")
+        for k, v in one["params"].items():
+            torch.testing.assert_close(two["params"][k], v, rtol=0, atol=1e-5, msg=f"{mode} {k}")
+        for k in (M.LOSS, M.RATIO_MEAN, M.KL_OLD, M.GRAD_NORM):
+            assert two["metrics"][k] == pytest.approx(one["metrics"][k], abs=1e-5), (mode, k)
+
+
 @pytest.mark.parametrize("mode,precision", [("fsdp", "bf16-mixed"), ("ddp", "bf16-mixed"),
                                             ("fsdp", "fp16-mixed")])
 def test_mixed_precision_on_two_ranks_gives_the_single_process_gradient(tmp_path, mode,

@@ -321,3 +321,30 @@ def test_the_report_gives_the_worst_case_rollouts_of_filter_groups():
     out = io.StringIO()
     dry_run(load_config(), out=out)
     assert "\nfilter " not in out.getvalue()
+
+
+def test_the_report_says_how_a_minibatch_is_cut_into_forwards():
+    base = ["rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=10",
+            "algorithm.minibatches=2"]
+    out = io.StringIO()
+    f = dry_run(load_config(overrides=base + ["algorithm.micro_batch_size=4"]), out=out)
+    per_seq = f["prompt_tokens_max"] + 10
+    assert (f"micro       4 sequences per forward/backward (algorithm.micro_batch_size), "
+            f"<= {4 * per_seq:,} tokens each\n") in out.getvalue()
+    # a budget of three full-length sequences, or of 16 (the minibatch) one-token ones
+    out = io.StringIO()
+    budget = 3 * per_seq
+    dry_run(load_config(overrides=base + ["algorithm.micro_batch_size=4",
+                                          f"train.max_tokens_per_micro={budget}"]), out=out)
+    line = next(x for x in out.getvalue().splitlines() if x.startswith("micro"))
+    assert line == (f"micro       packed by tokens: <= {budget:,} per forward/backward "
+                    f"(train.max_tokens_per_micro, counted as rows x (prompt width + longest "
+                    f"response)): per forward 3 of a minibatch's 16 sequences at full length, "
+                    f"up to {min(16, budget // (per_seq - 9)):,} with one-token responses; "
+                    f"algorithm.micro_batch_size=4 not used")
+    assert "warning" not in out.getvalue()
+    out = io.StringIO()
+    dry_run(load_config(overrides=base + [f"train.max_tokens_per_micro={per_seq - 1}"]), out=out)
+    assert (f"warning: train.max_tokens_per_micro={per_seq - 1:,} is below a full-length "
+            f"sequence's {per_seq:,} tokens: such a sequence gets a micro-batch of its own, "
+            f"over the budget") in out.getvalue()

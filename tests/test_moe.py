@@ -63,6 +63,33 @@ def test_replay_forces_the_recorded_experts_after_the_router_changed(moe, batch)
                for i, f in enumerate(free_choice))
 
 
+def test_a_forward_cut_to_its_micro_batchs_longest_response_records_and_replays_its_prefix(
+        moe, batch):
+    # token_logprobs computes no column past the longest response of the rows it is given (a
+    # fixed-size micro-batch without the batch's longest row, or a packed one): its positions
+    # are a prefix of the recorded rows', which the record and the replay must line up
+    ids, mask = batch
+    mask = mask.clone()
+    mask[:2, -3:] = 0  # rows 0 and 1: responses 2 tokens long, the others 5
+    rows = torch.tensor([1, 0])
+    rec = RoutingRecorder(moe)
+    rec.allocate("old", len(ids), ids.shape[1] - 1)
+    spy = ChoiceSpy(moe)
+    with torch.no_grad(), rec.record(rows):
+        token_logprobs(moe, ids[rows], mask[rows], 5)
+    recorded = [c.clone() for c in spy.chosen]  # (2 x 8 positions, k) per router
+    with torch.no_grad():
+        for _, router in find_routers(moe):
+            router.weight.copy_(torch.randn_like(router.weight) * 5)
+    spy.chosen.clear()
+    with torch.no_grad(), rec.replay(rows):
+        token_logprobs(moe, ids[rows], mask[rows], 5)
+    for layer, chosen in enumerate(spy.chosen):
+        assert chosen.shape[0] == 2 * (ids.shape[1] - 1 - 3)
+        assert torch.equal(chosen, recorded[layer])
+        assert torch.equal(rec.indices()[layer][rows, :8].reshape(chosen.shape), chosen)
+
+
 def test_routing_an_engine_reports_is_forced_in_pi_olds_recompute_and_the_update(moe, batch):
     """R3: experts the engine reports with its rollouts (vLLM's routed experts) become pi_old's
     routing, forced in the recompute (`recording`) and in every update forward (`replaying`)."""

@@ -151,8 +151,8 @@ def test_moe_rollout_routing_is_recorded_for_replay(tmp_path, tiny_overrides):
     streamed = run.routing.engine_recorder.indices("old")
     recorder = run.routing.recorder  # on the training model
     recorder.allocate("full", r.input_ids.shape[0], r.input_ids.shape[1] - 1)
-    step.policy_logprobs(run.policy, r, 1.0, run.micro, 1024,
-                            route=lambda rows: recorder.record(rows, store="full"))
+    step.policy_logprobs(run.policy, r, 1.0, step.micro_batches(run, r, run.policy), 1024,
+                         route=lambda rows: recorder.record(rows, store="full"))
     mask = r.attention_mask[:, :-1] > 0  # real tokens of the decoder input
     for s, f in zip(streamed, recorder.indices("full")):
         agree = (s.sort(-1).values == f.sort(-1).values).all(-1)[mask].float().mean()

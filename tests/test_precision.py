@@ -189,24 +189,37 @@ def test_bf16_true_warns_once_when_its_updates_vanish(tmp_path, caplog):
 # ---- pi_old and the update agree
 
 
-@pytest.mark.parametrize("algorithm", ["gspo", "grpo"])
-@pytest.mark.parametrize("mode", MODES)
-def test_at_theta_old_every_ratio_is_exactly_one(tmp_path, mode, algorithm):
+def _update_at_theta_old(tmp_path, overrides: list[str]) -> dict:
+    """The metrics of an update of one minibatch, whose only forward runs at theta_old, on
+    rollouts sampled from the same weights."""
     tiny = [o for o in TINY_OVERRIDES if not o.startswith(("rollout.", "warmup."))]
-    # one minibatch: the update's only forward runs at theta = theta_old
-    cfg = load_config(overrides=tiny + STEP + [f"train.precision={mode}",
-                                               f"algorithm={algorithm}",
-                                               "algorithm.minibatches=1",
-                                               "algorithm.micro_batch_size=4"])
+    cfg = load_config(overrides=tiny + STEP + ["algorithm.minibatches=1"] + overrides)
     run = prepare(cfg, tmp_path / "run", False)
     try:
         r = generate(run, run.train_rows[:4], 0)
         old, _, _ = old_policy(run, r, 0)
-        out = update(run, r, old, None, torch.randn(r.response_ids.shape[0]))
+        return update(run, r, old, None, torch.randn(r.response_ids.shape[0]))
     finally:
         close_run(run)
+
+
+@pytest.mark.parametrize("algorithm", ["gspo", "grpo"])
+@pytest.mark.parametrize("mode", MODES)
+def test_at_theta_old_every_ratio_is_exactly_one(tmp_path, mode, algorithm):
+    out = _update_at_theta_old(tmp_path, [f"train.precision={mode}", f"algorithm={algorithm}",
+                                          "algorithm.micro_batch_size=4"])
     assert out[M.RATIO_MIN] == out[M.RATIO_MAX] == 1.0
     assert out[M.CLIP_FRAC] == 0.0
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16-mixed"])
+def test_at_theta_old_every_ratio_is_exactly_one_with_a_token_budget(tmp_path, mode):
+    # pi_old's forwards pack the whole batch, the update's the minibatch (in another order):
+    # other micro-batches, other widths, and each row's log-probs must not depend on them
+    out = _update_at_theta_old(tmp_path, [f"train.precision={mode}",
+                                          "rollout.max_new_tokens=12",
+                                          "train.max_tokens_per_micro=100"])
+    assert out[M.RATIO_MIN] == out[M.RATIO_MAX] == 1.0
 
 
 # ---- fp16: the loss scaler

@@ -241,7 +241,8 @@ class AlgorithmConfig:
     advantage_scale: str = _f("group", "advantage normaliser: group | batch | none (Dr.GRPO)")
     minibatches: int = _f(4, "optimiser steps per rollout batch (the paper: 4)", gt=0)
     micro_batch_size: int = _f(0, "sequences per forward/backward (0 = the whole minibatch); "
-                               "gradients accumulate with global denominators", ge=0)
+                               "gradients accumulate with global denominators (not used when "
+                               "train.max_tokens_per_micro packs micro-batches by tokens)", ge=0)
     beta: float = _f(0.0, "KL penalty to the initial policy (k3); 0 = off, as in the paper",
                      ge=0)
     old_logprobs: str = _f("recompute", "pi_old from 'recompute' (a training-engine forward "
@@ -319,6 +320,17 @@ class TrainConfig:
     device: str = _f("auto", "where the training model runs: 'auto' (this rank's GPU, "
                      "cuda:LOCAL_RANK, when CUDA is available, else the CPU), 'cpu', 'cuda', "
                      "'cuda:N'")
+    max_tokens_per_micro: int = _f(0, "micro-batches packed by tokens instead of "
+                                   "algorithm.micro_batch_size rows (verl's use_dynamic_bsz / "
+                                   "ppo_max_token_len_per_gpu): each forward/backward of the "
+                                   "update, pi_old and pi_ref computes at most this many tokens, "
+                                   "rows x (prompt width + its longest response), rows sorted "
+                                   "by length so that short responses go many to a forward (a "
+                                   "row over the budget goes alone); the gradient is the same. "
+                                   "Use it when response lengths vary widely, to bound "
+                                   "activation memory by tokens without padding every "
+                                   "micro-batch to the longest response. 0 = fixed-size "
+                                   "micro-batches", ge=0)
     data_parallel: str = _f("auto", "under torchrun: 'fsdp' (FSDP2, parameters, gradients and "
                             "optimiser state sharded over ranks), 'ddp' (every rank holds the "
                             "whole model), or 'auto' = fsdp where this torch has fully_shard",

@@ -74,6 +74,7 @@ def dry_run(cfg: Config, world: int | None = None, run_dir: str | Path | None = 
         "memory": memory_estimate(model, cfg, world, mode, prompt_max),
     }
     warnings += capacity_warning(cfg, figures["memory"]) + setting_warnings(cfg)
+    warnings += budget_warning(cfg, prompt_max + cfg.rollout.max_new_tokens)
     print_report(cfg, figures, model, tokenizer, sample, measured, warnings, out)
     return figures
 
@@ -112,6 +113,36 @@ def capacity_warning(cfg: Config, memory: dict) -> list[str]:
         return []
     return [f"the estimate, {need / GIB:.1f} GiB per rank, exceeds the {total / GIB:.1f} GiB "
             f"{'of this GPU' if cuda else 'of memory available here'}"]
+
+
+def budget_warning(cfg: Config, per_seq: int) -> list[str]:
+    """A warning when a sequence at full length alone exceeds train.max_tokens_per_micro."""
+    budget = cfg.train.max_tokens_per_micro
+    if not budget or per_seq <= budget:
+        return []
+    return [f"train.max_tokens_per_micro={budget:,} is below a full-length sequence's "
+            f"{per_seq:,} tokens: such a sequence gets a micro-batch of its own, over the budget"]
+
+
+def micro_line(cfg: Config, per_seq: int, world: int) -> str:
+    """How a minibatch (this rank's share) is cut into forward/backward passes: fixed rows, or
+    packed under a token budget; per_seq: the longest prompt plus max_new_tokens."""
+    a, r = cfg.algorithm, cfg.rollout
+    rows = r.prompts_per_step * r.group_size // world // a.minibatches  # per rank
+    budget = cfg.train.max_tokens_per_micro
+    if not budget:
+        m = a.micro_batch_size or rows
+        return (f"micro       {m:,} sequences per forward/backward "
+                f"({'algorithm.micro_batch_size' if a.micro_batch_size else 'the minibatch'}), "
+                f"<= {m * per_seq:,} tokens each")
+    unused = (f"; algorithm.micro_batch_size={a.micro_batch_size} not used"
+              if a.micro_batch_size else "")
+    prompt = per_seq - r.max_new_tokens
+    full, short = (max(1, min(rows, budget // n)) for n in (per_seq, prompt + 1))
+    return (f"micro       packed by tokens: <= {budget:,} per forward/backward "
+            f"(train.max_tokens_per_micro, counted as rows x (prompt width + longest "
+            f"response)): per forward {full:,} of a minibatch's {rows:,} sequences at full "
+            f"length, up to {short:,} with one-token responses{unused}")
 
 
 def try_reward(cfg: Config, reward, solution, row: dict) -> tuple[float | None, str]:
@@ -279,6 +310,7 @@ def print_report(cfg: Config, f: dict, model, tokenizer, sample: str, measured: 
         f"(mean {f['prompt_tokens_mean']:.0f}, {measured:,} prompts measured) + "
         f"max_new_tokens {r.max_new_tokens:,}; per step <= {seqs * per_seq:,} "
         f"({seqs // world * per_seq:,} per rank)",
+        micro_line(cfg, per_seq, world),
         "memory per rank, estimated (activations, logits and the allocator's slack on top):",
         f"  weights       {_size(m['weights'])}  {_count(n)} x {width}{shard}",
         f"  gradients     {_size(m['gradients'])}"

@@ -26,9 +26,16 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the logits and everything after them: float32, or float64 for a float64
+    model (tests that compare gradients to 1e-10)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _chunk_logits(h, weight, bias, temperature: float) -> torch.Tensor:
     # the GEMM in the operands' dtype (bf16 under mixed precision), the logits in float32
-    logits = F.linear(h.to(weight.dtype), weight, bias).float()  # (N, V), N = chunk of positions
+    logits = F.linear(h.to(weight.dtype), weight, bias)  # (N, V), N = chunk of positions
+    logits = logits.to(_wide(logits.dtype))
     return logits.div_(temperature) if temperature != 1.0 else logits
 
 
@@ -100,8 +107,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
         # the forward's own dtypes: each GEMM below runs in the dtype the forward's did
         w, b = _cast(weight, ctx.compute_dtype), _cast(bias, ctx.compute_dtype)
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = (torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+        acc = _wide(w.dtype)  # float32 (float64 for a float64 model)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = (torch.zeros(weight.shape[0], dtype=acc, device=weight.device)
                   if need_b else None)
         for start in range(0, hidden.shape[0], chunk):
             sl = slice(start, start + chunk)
@@ -112,10 +120,10 @@ class _ChunkedLogProbs(torch.autograd.Function):
             else:
                 p = (z - lse[sl, None]).exp_()  # a second block
                 shift = (lse[sl] - entropy[sl])[:, None]  # z - lse + H = z - (lse - H)
-                ent_term = z.sub_(shift).mul_(p).mul_(-g_entropy[sl, None].float())
+                ent_term = z.sub_(shift).mul_(p).mul_(-g_entropy[sl, None].to(acc))
             logp_term = None
             if g_logp is not None:
-                g = g_logp[sl].float()[:, None]  # (n, 1)
+                g = g_logp[sl].to(acc)[:, None]  # (n, 1)
                 logp_term = p.mul_(-g).scatter_add_(-1, targets[sl, None], g)  # g * (onehot - p)
             if logp_term is None:
                 grad_z = ent_term
@@ -126,7 +134,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if need_h:
                 grad_h[sl] = grad_z.to(w.dtype) @ w  # (n, H)
             if need_w:
-                if w.dtype == torch.float32:
+                if w.dtype == acc:
                     grad_w.addmm_(grad_z.t(), h)  # (V, H)
                 else:  # the GEMM in w's dtype, as autocast's backward runs it; summed in float32
                     grad_w += grad_z.t().to(w.dtype) @ h

@@ -116,7 +116,7 @@ class RoutingRecorder:
             if self._mode == "record":
                 self._write(layer, idx.detach().view(b, -1, idx.shape[-1]))
                 return None
-            forced = self.stores[self._store][layer][self._rows].reshape(idx.shape)  # (N, k)
+            forced = self._forced(layer, idx.view(b, -1, idx.shape[-1])).reshape(idx.shape)
             probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # (N, E)
             w = probs.gather(-1, forced)  # (N, k), differentiable w.r.t. the router
             if getattr(module, "norm_topk_prob", False):
@@ -124,10 +124,24 @@ class RoutingRecorder:
             return logits, w.to(weights.dtype), forced
         return hook
 
+    # A forward may cover fewer positions than the store (token_logprobs drops the columns past
+    # its micro-batch's longest response) or more (a sharded model computes columns up to
+    # another rank's longest): the positions it covers are always a prefix of the row's, and
+    # past the store's end they are padding, which keeps its free routing.
     def _write(self, layer: int, idx: Tensor) -> None:
         if self._store not in self.stores:
             raise RuntimeError(f"call allocate({self._store!r}, n_rows, seq_len) before recording")
-        self.stores[self._store][layer][self._rows] = idx
+        store = self.stores[self._store][layer]
+        n = min(idx.shape[1], store.shape[1])
+        store[self._rows, :n] = idx[:, :n]
+
+    def _forced(self, layer: int, free: Tensor) -> Tensor:
+        """(b, L, k): the recorded experts of this forward's rows, its own past the store."""
+        recorded = self.stores[self._store][layer][self._rows]  # (b, L_store, k)
+        if recorded.shape[1] == free.shape[1]:
+            return recorded
+        n = min(free.shape[1], recorded.shape[1])
+        return torch.cat([recorded[:, :n], free[:, n:]], dim=1)
 
     def allocate(self, store: str, n_rows: int, seq_len: int) -> None:
         """Make room for (n_rows, seq_len, k) recorded indices per router."""

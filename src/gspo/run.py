@@ -51,7 +51,8 @@ class Run:
     routing: MoeRouting | NoRouting          # record / replay / measure MoE routing
     gen: torch.Generator                     # minibatch shuffling
     scaler: torch.amp.GradScaler | None      # fp16-mixed's dynamic loss scale
-    micro: int                               # rows per forward (algorithm.micro_batch_size)
+    micro: int                               # rows per forward (algorithm.micro_batch_size),
+                                             # unless train.max_tokens_per_micro packs them
     checkpoint: Path | None                  # the checkpoint resumed from
     state: dict                              # its training state (step, accuracies, RNG)
     record: dict                             # what the run is (gspo.runrecord), saved with each
@@ -62,7 +63,7 @@ class Run:
     warmup_s: float = 0.0
     reward_window: list = field(default_factory=list)  # (completions, failures) of recent steps
     constant_reward_steps: int = 0           # consecutive steps whose rewards were all equal
-    filter_warned: bool = False              # rollout.filter_groups said its bound was hit
+    warned: set = field(default_factory=set)  # what the run has said once already
 
     @property
     def start_step(self) -> int:

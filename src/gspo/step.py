@@ -27,13 +27,14 @@ from gspo import metrics as M
 from gspo import precision
 from gspo.async_rollouts import Batch
 from gspo.data import decode_responses, encode_prompts, score
-from gspo.distributed import Dist, as_local, no_sync
+from gspo.distributed import Dist, as_local, is_sharded, no_sync
 from gspo.engines import Rollouts, SamplingParams, stop_token_ids
 from gspo.errors import TrainingError
 from gspo.metrics import WeightedMean
 from gspo.group_filter import Round, extra_prompts, fill, merge
 from gspo.objectives import (OBJECTIVES, engine_mismatch, group_advantages, importance_weights,
                              kl_k3, overlong_penalty, varying_groups)
+from gspo.packing import pack_by_tokens
 from gspo.run import Run, policy_weights
 from gspo.signals import StopRequest
 
@@ -182,8 +183,8 @@ def filtered_batch(run: Run, step: int, hold=contextlib.nullcontext) -> Batch:
     pad = run.tokenizer.pad_token_id
     rows, rollouts, texts, rewards = merge(rounds, picks, r.group_size,
                                            pad if pad is not None else 0)
-    if stats.filled and not run.filter_warned:
-        run.filter_warned = True
+    if stats.filled and "filter_groups" not in run.warned:
+        run.warned.add("filter_groups")
         log.warning("rollout.filter_groups: %d extra round(s) left %d of the %d groups of step "
                     "%d on rank %d with rewards all equal (no gradient from them); "
                     "rollout/filled_groups counts such groups every step: raise "
@@ -222,7 +223,8 @@ def consume(run: Run, step: int, batch: Batch, times: dict[str, float]) -> dict[
     with _phase(run, step, "old_logp", times):
         old_logp, entropy, mismatch = old_policy(run, rollouts, step)
         ref_logp = (policy_logprobs(run.ref_policy, rollouts, cfg.rollout.temperature,
-                                    run.micro, cfg.model.logprob_chunk_size)
+                                    micro_batches(run, rollouts, run.ref_policy),
+                                    cfg.model.logprob_chunk_size)
                     if run.ref_policy else None)
     # ---- minibatch updates, then the new weights to whoever samples next
     with _phase(run, step, "update", times):
@@ -232,7 +234,8 @@ def consume(run: Run, step: int, batch: Batch, times: dict[str, float]) -> dict[
         else:  # version step + 1, for the batch of step + 1 + max_staleness
             run.sampler.publish(step + 1, policy_weights(run.policy, run.model))
     m.update(run.routing.step_metrics(
-        lambda route: policy_logprobs(run.policy, rollouts, cfg.rollout.temperature, run.micro,
+        lambda route: policy_logprobs(run.policy, rollouts, cfg.rollout.temperature,
+                                      micro_batches(run, rollouts, run.policy),
                                       cfg.model.logprob_chunk_size, route=route),
         rollouts.response_mask, rollouts.input_ids.shape[1] - 1, d))
     # ---- metrics (over this step's completions and tokens on every rank)
@@ -341,7 +344,8 @@ def old_policy(run: Run, r: Rollouts, step: int) -> tuple[torch.Tensor, torch.Te
         # pi_old's MoE routing, recorded here unless the engine recorded it as it sampled
         B, L = r.input_ids.shape
         route = run.routing.recording(B, L - 1)
-        train_logp, entropy = policy_logprobs(run.policy, r, temp, run.micro, chunk, True,
+        train_logp, entropy = policy_logprobs(run.policy, r, temp,
+                                              micro_batches(run, r, run.policy), chunk, True,
                                               route=route)
         mismatch = engine_mismatch(train_logp, r.logp, r.response_mask)
         mismatch = reduce_mismatch({k: float(v) for k, v in mismatch.items()}, r, run.dist)
@@ -352,23 +356,27 @@ def old_policy(run: Run, r: Rollouts, step: int) -> tuple[torch.Tensor, torch.Te
 
 
 @torch.no_grad()
-def policy_logprobs(policy, r: Rollouts, temperature: float, micro: int, chunk: int,
-                    with_entropy: bool = False, route=None):
+def policy_logprobs(policy, r: Rollouts, temperature: float, parts: list[torch.Tensor],
+                    chunk: int, with_entropy: bool = False, route=None):
     """Per-token log-probs (and entropies) of the responses under `policy` (a Policy, possibly
-    wrapped by DDP or sharded), no gradient.
+    wrapped by DDP or sharded), no gradient, one forward per micro-batch of `parts` (row
+    indices covering every row once, as micro_batches gives them).
 
     route: optional `rows -> context manager` (a RoutingRecorder's record), entered around
     each micro-batch so that MoE routing is recorded per row.
     """
     outs = []
-    for rows in torch.arange(r.response_ids.shape[0]).split(micro):
+    for rows in parts:
         with route(rows) if route else contextlib.nullcontext():
             outs.append(policy(r.input_ids[rows], r.attention_mask[rows],
                                r.response_ids.shape[1], temperature, chunk, with_entropy,
                                share_prompts=route is None))
+    order = torch.cat(parts)  # (B,): the row each output row belongs to
+    back = torch.empty_like(order)
+    back[order] = torch.arange(len(order))
     if not with_entropy:
-        return torch.cat(outs)
-    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])  # (B, T) each
+        return torch.cat(outs)[back]
+    return torch.cat([o[0] for o in outs])[back], torch.cat([o[1] for o in outs])[back]  # (B, T)
 
 
 def reduce_mismatch(m: dict[str, float], r: Rollouts, d: Dist) -> dict[str, float]:
@@ -410,7 +418,7 @@ def update(run: Run, r: Rollouts, old_logp, ref_logp, adv, keep=None) -> dict[st
                  else sequences)
         run.optimizer.zero_grad(set_to_none=True)
         mb_loss, bad = 0.0, None
-        parts = mb.split(run.micro)
+        parts = micro_batches(run, r, run.policy, mb)
         for i, idx in enumerate(parts):
             with (run.routing.replaying(idx),
                   no_sync(run.policy, skip=i < len(parts) - 1)):
@@ -456,6 +464,45 @@ def minibatches(run: Run, B: int) -> list[torch.Tensor]:
     else:
         order = torch.randperm(B, generator=run.gen)
     return list(order.split(size))
+
+
+def micro_batches(run: Run, r: Rollouts, policy, rows: torch.Tensor | None = None
+                  ) -> list[torch.Tensor]:
+    """`rows` (a minibatch; default all of them, for the no-grad forwards) as the micro-batches
+    `policy` computes them: run.micro rows each, in order; with train.max_tokens_per_micro,
+    packed by padded token cost (gspo.packing: longest responses first, whole groups together
+    where `rows` holds whole groups, so that their rows share the prompt's forward).
+
+    Ranks may hold other lengths and so pack another number of micro-batches. DDP needs no
+    more: each rank makes one synchronised backward per minibatch (no_sync on all but its last
+    micro-batch), however many it makes in all. A sharded (FSDP2) policy does: each forward and
+    backward of a sharded layer is a collective, so every rank packs the largest count among
+    them (one all-reduce)."""
+    if rows is None:
+        rows = torch.arange(r.response_ids.shape[0])
+    budget = run.cfg.train.max_tokens_per_micro
+    if not budget:
+        return list(rows.split(run.micro))
+    G = run.cfg.rollout.group_size
+    lengths = r.response_lengths[rows].tolist()
+    # whole groups: each run of G rows is one prompt's (minibatches keeps them so when it can)
+    whole = len(rows) % G == 0 and bool((rows.reshape(-1, G) // G
+                                         == rows.reshape(-1, G)[:, :1] // G).all())
+    pack = lambda count=0: pack_by_tokens(lengths, r.prompt_ids.shape[1], budget,  # noqa: E731
+                                          G if whole else 1, count)
+    parts, over = pack()
+    if is_sharded(policy):
+        count = int(run.dist.max([len(parts)])[0])
+        if count > len(parts):
+            parts, over = pack(count)
+    if over and "max_tokens_per_micro" not in run.warned:
+        run.warned.add("max_tokens_per_micro")
+        longest = r.prompt_ids.shape[1] + max(lengths)
+        log.warning("train.max_tokens_per_micro=%d: %d row(s) of up to %d tokens (prompt width "
+                    "%d + response) exceed it and get a micro-batch each; raise it to %d to "
+                    "bound every forward by the budget (said once)", budget, len(over), longest,
+                    r.prompt_ids.shape[1], longest)
+    return [rows[torch.tensor(p)] for p in parts]
 
 
 def micro_loss(run: Run, r: Rollouts, idx, logp, old_logp, ref_logp, adv, denom: float,
