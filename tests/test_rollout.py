@@ -3,7 +3,7 @@ import copy
 import pytest
 import torch
 
-from gspo.models import build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer
+from gspo.models import build_tiny_qwen3, build_tiny_qwen3_moe
 from gspo.logprobs import token_logprobs
 from gspo.engines.fast_decoder import FastDecoder
 from gspo.engines.hf import HFEngine, sample_next, top_p_filter

@@ -15,26 +15,22 @@ Per-token log-probs live in `gspo.logprobs`.
 
 from __future__ import annotations
 
-import inspect
 import os
 import string
 
 import torch
-import torch.nn.functional as F
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models as tok_models, pre_tokenizers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
-    DynamicCache,
     PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
-from transformers.cache_utils import DynamicLayer
 
 from gspo.errors import ModelLoadError  # noqa: F401  (raised here, re-exported)
 from gspo.hub import hub_unreachable, in_hub_cache, looks_like_path

@@ -198,10 +198,10 @@ def check_resume(cfg: Config, run_dir: Path, ckpt: Path, reward_fn=None, train_d
             return (f"{name} given from Python" if source == "python" else
                     f"data.reward={name}" if ":" in name or "+" in name
                     else f"the {name} task's own reward")
-        fix = (f"resume it from Python with train(..., resume=True, reward_fn=<it>)"
+        fix = ("resume it from Python with train(..., resume=True, reward_fn=<it>)"
                + (f" or set data.reward={record['reward']}" if ":" in record["reward"]
                   and not record["reward"].startswith("__main__:") else "")
-               if record["reward_from"] == "python" else f"set data.reward back")
+               if record["reward_from"] == "python" else "set data.reward back")
         raise TrainingError(f"{where} cannot change the reward to "
                             f"{said(reward, reward_from)} (trained with "
                             f"{said(record['reward'], record['reward_from'])}): {fix}, or "

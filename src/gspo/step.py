@@ -16,6 +16,7 @@ checkpoints, signals) is gspo.trainer's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import random
@@ -75,32 +76,30 @@ def produce(run: Run, step: int, stop: StopRequest | None = None) -> Batch | Non
     """Step `step`'s batch, sampled from the current weights (the synchronous step). None when
     `stop` is requested after the sampling (the rewards are not computed, except those that
     rollout.filter_groups needed to choose its groups)."""
-    if run.cfg.rollout.filter_groups:
-        batch = filtered_batch(run, step)
-        run.engine.sleep()
-        return None if stop is not None and stop.requested(run.dist) else batch
-    t0 = time.perf_counter()
-    rows, rollouts, texts = sample(run, step)
-    run.engine.sleep()  # until the update's push (an engine that sleeps: EngineSettings)
-    rollout_s = time.perf_counter() - t0
-    if stop is not None and stop.requested(run.dist):
-        return None
-    t1 = time.perf_counter()
-    rewards, failures, first_error = score_texts(run, rows, texts)
-    return Batch(rows, rollouts, texts, rewards, failures, first_error, version=step,
-                 rollout_s=rollout_s, reward_s=time.perf_counter() - t1)
+    def sampled() -> bool:
+        run.engine.sleep()  # until the update's push (an engine that sleeps: EngineSettings)
+        return stop is not None and stop.requested(run.dist)
+
+    return sample_batch(run, step, abandon=sampled)
 
 
-def sample_batch(run: Run, step: int, hold=contextlib.nullcontext) -> Batch:
-    """Step `step`'s batch, sampled and scored: the sampler thread's producer. The engine is
-    used only inside `with hold():`, which gives it the weights this step samples from (and
-    lets an evaluation borrow it between rounds); the batch's version is the caller's to set."""
+def sample_batch(run: Run, step: int, hold=contextlib.nullcontext,
+                 abandon=lambda: False) -> Batch | None:
+    """Step `step`'s batch, sampled and scored: the synchronous step's producer and the
+    sampler thread's. The engine is used only inside `with hold():`, which gives it the
+    weights this step samples from (and lets an evaluation borrow it between rounds); the
+    batch's version is the caller's to set. abandon(): called once the sampling is done, before
+    the scoring (after it with rollout.filter_groups, whose rounds score as they go); True
+    returns None."""
     if run.cfg.rollout.filter_groups:
-        return filtered_batch(run, step, hold)
+        batch = filtered_batch(run, step, hold)
+        return None if abandon() else batch
     with hold():
         t0 = time.perf_counter()
         rows, rollouts, texts = sample(run, step)
         rollout_s = time.perf_counter() - t0
+    if abandon():
+        return None
     t1 = time.perf_counter()
     rewards, failures, first_error = score_texts(run, rows, texts)
     return Batch(rows, rollouts, texts, rewards, failures, first_error, version=step,
@@ -400,9 +399,11 @@ def update(run: Run, r: Rollouts, old_logp, ref_logp, adv, keep=None) -> dict[st
     token-mean) and multiplied by the world size, so that DDP's gradient average over ranks of
     the micro-batch sums is exactly the full-batch gradient. With algorithm.routing_replay the
     forwards replay pi_old's recorded MoE routing."""
-    cfg, d = run.cfg, run.dist
-    objective = OBJECTIVES[cfg.algorithm.name]
-    token_mean = objective.normaliser(cfg.algorithm.aggregation) == "tokens"
+    cfg, d, a = run.cfg, run.dist, run.cfg.algorithm
+    spec = OBJECTIVES[a.name]
+    token_mean = spec.normaliser(a.aggregation) == "tokens"
+    objective = functools.partial(spec, **spec.settings(a.eps_low, a.eps_high, a.aggregation,
+                                                         cfg.rollout.max_new_tokens))
     T, mask = r.response_ids.shape[1], r.response_mask
     stats = WeightedMean()
     grad_norms, losses, skipped = [], [], 0
@@ -425,8 +426,8 @@ def update(run: Run, r: Rollouts, old_logp, ref_logp, adv, keep=None) -> dict[st
                 logp = run.policy(r.input_ids[idx], r.attention_mask[idx], T,
                                   cfg.rollout.temperature, cfg.model.logprob_chunk_size,
                                   share_prompts=not run.routing.replays)
-                loss, metrics = micro_loss(run, r, idx, logp, old_logp, ref_logp, adv, denom,
-                                           sequences, rows[idx])
+                loss, metrics = micro_loss(run, r, idx, logp, old_logp, ref_logp, adv,
+                                           objective, denom, sequences, rows[idx])
                 if bad is None and not torch.isfinite(loss):
                     bad = (float(loss.detach()), dict(metrics))
                 precision.backward(loss * d.world, run.scaler)
@@ -505,14 +506,14 @@ def micro_batches(run: Run, r: Rollouts, policy, rows: torch.Tensor | None = Non
     return [rows[torch.tensor(p)] for p in parts]
 
 
-def micro_loss(run: Run, r: Rollouts, idx, logp, old_logp, ref_logp, adv, denom: float,
-               sequences: float, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """The loss of rows `idx` (logp: their forward): the objective with its settings and the
-    off-policy correction's weights, plus the KL penalty when algorithm.beta > 0. denom: the
-    objective's global normaliser; sequences: the minibatch's global sequence count (the
-    KL's); rows: 1 for the rows that stay in the loss, 0 for the others."""
+def micro_loss(run: Run, r: Rollouts, idx, logp, old_logp, ref_logp, adv, objective,
+               denom: float, sequences: float, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The loss of rows `idx` (logp: their forward): `objective` (a LossSpec with its
+    settings bound) with the off-policy correction's weights, plus the KL penalty when
+    algorithm.beta > 0. denom: the objective's global normaliser; sequences: the minibatch's
+    global sequence count (the KL's); rows: 1 for the rows that stay in the loss, 0 for the
+    others."""
     a, mask = run.cfg.algorithm, r.response_mask[idx]
-    objective = OBJECTIVES[a.name]
     weights = None
     if a.is_correction != "none":
         # between the engine that sampled and the trainer: pi_old where it was recomputed,
@@ -521,9 +522,7 @@ def micro_loss(run: Run, r: Rollouts, idx, logp, old_logp, ref_logp, adv, denom:
         weights = importance_weights(trainer_logp, r.logp[idx], mask, a.is_correction,
                                      a.is_level, a.is_cap, a.is_floor)
     loss, metrics = objective(logp, old_logp[idx], adv[idx], mask, denom=denom,
-                              is_weights=weights,
-                              **objective.settings(a.eps_low, a.eps_high, a.aggregation,
-                                                   run.cfg.rollout.max_new_tokens))
+                              is_weights=weights)
     if a.beta > 0:
         loss = loss + a.beta * (kl_k3(logp, ref_logp[idx], mask) * rows).sum() / sequences
     return loss, metrics
