@@ -115,7 +115,31 @@ def test_engine_mismatch_on_a_hand_built_case():
     assert float(m["token_abs_mean"]) == pytest.approx(1.75 / 3)
     assert float(m["token_abs_max"]) == pytest.approx(1.0)
     assert float(m["seq_log_ratio_mean"]) == pytest.approx(0.0)
+    assert float(m["seq_log_ratio_abs_mean"]) == pytest.approx(0.25)
     assert float(m["seq_log_ratio_abs_max"]) == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("algorithm, extra, warned", [
+    # the tiny model's bf16 sampler sits ~2e-4 from its float32 trainer, per token and per
+    # sequence (length-normalised): beyond a clip range of 3e-5, within 0.5 and GRPO's 0.27
+    ("gspo", ["algorithm.eps_low=3e-5", "algorithm.eps_high=3e-5"], True),
+    ("gspo", ["algorithm.eps_low=0.5", "algorithm.eps_high=0.5"], False),
+    ("grpo", [], False),
+])
+def test_a_mismatch_beyond_the_clip_range_is_warned_once(tmp_path, tiny_overrides, caplog,
+                                                          algorithm, extra, warned):
+    cfg = load_config(overrides=tiny_overrides + [
+        "train.eval_every=0", "rollout.dtype=bfloat16", "algorithm.old_logprobs=rollout",
+        "algorithm.mismatch_every=1", f"algorithm={algorithm}", *extra])
+    run = trainer.prepare(cfg, tmp_path / "r", resume=False)
+    rows = [step.rl_step(run, s) for s in range(2)]
+    said = [r.getMessage() for r in caplog.records if "clipped on precision alone" in r.message]
+    key = "seq_log_ratio_abs_mean" if algorithm == "gspo" else "token_abs_mean"
+    eps = float(extra[1].split("=")[1]) if extra else 0.27
+    assert all((r[M.MISMATCH + key] > eps) == warned for r in rows)  # the premise
+    assert len(said) == int(warned)  # once, not per step
+    if warned:
+        assert f"mismatch/{key}" in said[0] and "old_logprobs=recompute" in said[0]
 
 
 def test_tis_in_train_changes_the_update_only_through_the_weights(tmp_path, tiny_overrides):

@@ -351,6 +351,9 @@ class LossSpec:
     """the ones it accepts; the first is its default (algorithm.aggregation)"""
     token_advantages: bool = False
     """takes (B, T) advantages (needed by algorithm.tis=token)"""
+    ratio: str = "token"
+    """the log-ratio its clip range bounds: 'token', or 'sequence' (GSPO's length-normalised
+    one); the run compares the engine's mismatch on that scale with the clip range"""
 
     def __call__(self, logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *,
                  is_weights: Tensor | None = None, **kwargs) -> tuple[Tensor, Metrics]:
@@ -390,8 +393,9 @@ class LossSpec:
 
 
 OBJECTIVES: dict[str, LossSpec] = {
-    "gspo": LossSpec(gspo_loss, eps_low=3e-4, eps_high=4e-4),
-    "gspo_token": LossSpec(gspo_token_loss, eps_low=3e-4, eps_high=4e-4, token_advantages=True),
+    "gspo": LossSpec(gspo_loss, eps_low=3e-4, eps_high=4e-4, ratio="sequence"),
+    "gspo_token": LossSpec(gspo_token_loss, eps_low=3e-4, eps_high=4e-4, token_advantages=True,
+                           ratio="sequence"),
     "grpo": LossSpec(grpo_loss, eps_low=0.2, eps_high=0.27, aggregations=AGGREGATIONS,
                      token_advantages=True),
 }
@@ -469,6 +473,8 @@ def engine_mismatch(logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> Metrics
         token_abs_max      max of the same
         seq_log_ratio_mean mean over sequences of (1/|y_i|) sum_t (logp - rollout_logp), the
                            length-normalised log-ratio GSPO's s_i would see at theta = theta_old
+        seq_log_ratio_abs_mean mean over sequences of its absolute value (to compare with
+                           GSPO's clip range: a sequence beyond it is clipped on precision alone)
         seq_log_ratio_abs_max  max over sequences of its absolute value
     """
     mask = _check_inputs(logp, rollout_logp, mask, None, 0.0, 0.0)
@@ -478,4 +484,5 @@ def engine_mismatch(logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> Metrics
         return {"token_abs_mean": delta.abs().sum() / mask.sum(),
                 "token_abs_max": delta.abs().max(),
                 "seq_log_ratio_mean": seq.mean(),
+                "seq_log_ratio_abs_mean": seq.abs().mean(),
                 "seq_log_ratio_abs_max": seq.abs().max()}

@@ -349,9 +349,38 @@ def old_policy(run: Run, r: Rollouts, step: int) -> tuple[torch.Tensor, torch.Te
         mismatch = engine_mismatch(train_logp, r.logp, r.response_mask)
         mismatch = reduce_mismatch({k: float(v) for k, v in mismatch.items()}, r, run.dist)
         metrics = {M.MISMATCH + k: v for k, v in mismatch.items()}
+        if use_rollout:
+            warn_mismatch(run, mismatch)
     if use_rollout:
         return r.logp, -r.logp, metrics
     return train_logp, entropy, metrics
+
+
+MISMATCH_WARN_FACTOR = 1.0
+"""warn when the engine's mean mismatch, on the objective's ratio scale, exceeds this many
+times its clip range"""
+
+
+def warn_mismatch(run: Run, mismatch: dict[str, float]) -> None:
+    """Said once: pi_old taken from the engine differs from the trainer's own likelihoods by
+    more than the clip range, so at theta = theta_old many ratios already sit outside it and
+    their terms carry no gradient. Measured on SmolLM2 (docs/results/paper_claims.md): a bf16
+    sampler's 40-token responses sit ~1e-2 from a bf16-mixed trainer in GSPO's length-
+    normalised log-ratio, 25x its 4e-4, and GSPO did not learn in 10 steps."""
+    a = run.cfg.algorithm
+    spec = OBJECTIVES[a.name]
+    key = "seq_log_ratio_abs_mean" if spec.ratio == "sequence" else "token_abs_mean"
+    eps = max(a.eps_low if a.eps_low is not None else spec.eps_low,
+              a.eps_high if a.eps_high is not None else spec.eps_high)
+    if mismatch[key] <= MISMATCH_WARN_FACTOR * eps or "mismatch" in run.warned:
+        return
+    run.warned.add("mismatch")
+    log.warning("algorithm.old_logprobs=rollout: the engine's log-probs differ from the "
+                "trainer's by %.2g on average (mismatch/%s), %.0fx %s's clip range %g: terms "
+                "that far outside it are clipped on precision alone and carry no gradient; "
+                "recompute pi_old (algorithm.old_logprobs=recompute: the ratio is then exactly "
+                "1 at theta_old) or widen the clip range (said once)",
+                mismatch[key], key, mismatch[key] / eps, a.name, eps)
 
 
 @torch.no_grad()
@@ -383,6 +412,7 @@ def reduce_mismatch(m: dict[str, float], r: Rollouts, d: Dist) -> dict[str, floa
     w = WeightedMean()
     w.add("token_abs_mean", m["token_abs_mean"], float(r.response_mask.sum()))
     w.add("seq_log_ratio_mean", m["seq_log_ratio_mean"], float(r.response_mask.shape[0]))
+    w.add("seq_log_ratio_abs_mean", m["seq_log_ratio_abs_mean"], float(r.response_mask.shape[0]))
     w.add_max("token_abs_max", m["token_abs_max"])
     w.add_max("seq_log_ratio_abs_max", m["seq_log_ratio_abs_max"])
     out = w.result(d)
