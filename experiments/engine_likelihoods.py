@@ -30,7 +30,9 @@ from gspo import fetch_model, load_config, read_metrics, train  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "smollm2_addition.yaml"
 BF16_ROLLOUT = "rollout.dtype=bfloat16,algorithm.old_logprobs=rollout,algorithm.mismatch_every=5"
-VARIANTS = [f"gspo@{BF16_ROLLOUT}", f"grpo@{BF16_ROLLOUT}"]
+WIDE = "algorithm.eps_low=0.03,algorithm.eps_high=0.03"  # beyond the ~1e-2 sequence mismatch
+VARIANTS = [f"gspo@{BF16_ROLLOUT}", f"grpo@{BF16_ROLLOUT}", f"gspo@{BF16_ROLLOUT},{WIDE}",
+            f"gspo@rollout.dtype=bfloat16,{WIDE}"]  # the wide clip range with pi_old recomputed
 
 
 def parse_args(argv=None):
@@ -102,8 +104,8 @@ def write_report(a, results: dict) -> None:
     sums = {k: summarise(rows) for k, rows in results.items()}
     steps = sorted({s for v in sums.values() for s in v["evals"]})
     head = ("| variant | seed | " + " | ".join(f"acc @ {s}" for s in steps)
-            + " | clip frac | reward (last 3) | mismatch |dlogp| per token | max |seq log-ratio|"
-            " | s / step |")
+            + " | clip frac | reward (last 3) | mismatch: mean abs dlogp per token"
+            " | max abs seq log-ratio | s / step |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for (variant, seed), v in sums.items():
         accs = " | ".join(f"{100 * v['evals'][s]:.1f}%" if s in v["evals"] else "-"

@@ -94,7 +94,10 @@ def preflight(cfg: Config, run_dir: Path | None, resume: bool, world: int, *,
                      tokenizer, bad_rows)
 
 
-CLIP_RANGE_FACTOR = 30  # a clip range this many times off the objective's own is a mistake
+CLIP_RANGE_FACTOR = 100
+"""a clip range more than this many times off the objective's own is a mistake. Not less: GSPO
+with pi_old from a bf16 sampler needs its clip range beyond the engine's ~1e-2 sequence
+mismatch, and at 3e-2 (75-100x) it learned best (docs/results/engine_likelihoods.md)"""
 
 
 def setting_warnings(cfg: Config) -> list[str]:
