@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python experiments/engine_likelihoods.py [--steps 10]
         [--seeds 0] [--variants NAME@key=value,... ...] [--runs DIR] [--out docs/results]
+        [--report-only]
 
 The paper's claim under test: GSPO can use the inference engine's likelihoods as pi_old
 directly (its sequence-level ratio tolerates the engine's precision), skipping the recompute.
@@ -44,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--runs", default="runs/engine-likelihoods", help="where run dirs go")
     p.add_argument("--out", default="docs/results")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: the table of the variants' finished runs")
     return p.parse_args(argv)
 
 
@@ -87,6 +90,8 @@ def main(argv=None) -> int:
         for seed in a.seeds:
             path = Path(a.runs) / run_name(variant, seed)
             if not finished(path, a.steps):
+                if a.report_only:
+                    continue
                 cfg = load_config(RECIPE, [f"model.name_or_path={json.dumps(str(model))}",
                                            f"algorithm={algo}", f"train.seed={seed}",
                                            f"train.steps={a.steps}", "train.eval_every=5",
