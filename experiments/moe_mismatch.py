@@ -39,6 +39,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from gspo import load_config, read_metrics, train  # noqa: E402
+from moe_stability import _smooth, seed_band, series  # noqa: E402  (experiments/, beside this file)
 
 VARIANTS = {
     "gspo": ["algorithm=gspo", "algorithm.old_logprobs=rollout"],
@@ -131,30 +132,17 @@ def run_all(args) -> tuple[dict, dict]:
     return grid, sweep
 
 
-def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-    return [p[0] for p in pts], [p[1] for p in pts]
-
-
-def _smooth(xs: list[float], w: int) -> list[float]:
-    return [statistics.fmean(xs[max(0, i - w + 1):i + 1]) for i in range(len(xs))]
-
-
 def plot(curves_by_label: dict[str, list[list[dict]]], out: Path, prefix: str) -> list[str]:
     """One PNG per metric of PLOTS: mean +- std over the runs of each label."""
     names = []
     for key, title in PLOTS:
         fig, ax = plt.subplots(figsize=(6, 4))
         for label, runs in curves_by_label.items():
-            curves = [c for c in (series(rows, key) for rows in runs) if c[0]]
-            if not curves:
+            band = seed_band(runs, key)
+            if band is None:
                 continue
-            n = min(len(c[0]) for c in curves)
-            steps = curves[0][0][:n]
-            vals = [[c[1][i] for c in curves] for i in range(n)]
-            mean = [statistics.fmean(v) for v in vals]
-            std = [statistics.pstdev(v) for v in vals]
-            if key != "eval/accuracy" and n > 1:  # noisy per-step metrics: a 10-step moving mean
+            steps, mean, std = band
+            if key != "eval/accuracy" and len(steps) > 1:  # noisy per-step metrics: a 10-step moving mean
                 w = max(1, round(10 / (steps[1] - steps[0])))  # some are logged every 5 steps
                 mean, std = _smooth(mean, w), _smooth(std, w)
             ax.plot(steps, mean, label=label)

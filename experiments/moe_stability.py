@@ -76,20 +76,27 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def seed_band(runs, key: str) -> tuple[list[int], list[float], list[float]] | None:
+    """(steps, mean, std) of `key` over the runs (each a metrics row list), on the steps all of
+    them reached; None when no run logged it. Shared with moe_mismatch.py."""
+    curves = [c for c in (series(rows, key) for rows in runs) if c[0]]
+    if not curves:
+        return None
+    n = min(len(c[0]) for c in curves)
+    vals = [[c[1][i] for c in curves] for i in range(n)]
+    return (curves[0][0][:n], [statistics.fmean(v) for v in vals],
+            [statistics.pstdev(v) for v in vals])
+
+
 def plot(results, out: Path) -> list[Path]:
     paths = []
     for key, title in PLOTS:
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, by_seed in results.items():
-            curves = [series(rows, key) for rows in by_seed.values()]
-            curves = [c for c in curves if c[0]]
-            if not curves:
+            band = seed_band(by_seed.values(), key)
+            if band is None:
                 continue
-            n = min(len(c[0]) for c in curves)
-            steps = curves[0][0][:n]
-            vals = [[c[1][i] for c in curves] for i in range(n)]
-            mean = [statistics.fmean(v) for v in vals]
-            std = [statistics.pstdev(v) for v in vals]
+            steps, mean, std = band
             if key != "eval/accuracy":  # per-step metrics are noisy: a 10-step moving mean
                 mean, std = _smooth(mean), _smooth(std)
             ax.plot(steps, mean, label=name)
