@@ -370,8 +370,7 @@ def warn_mismatch(run: Run, mismatch: dict[str, float]) -> None:
     a = run.cfg.algorithm
     spec = OBJECTIVES[a.name]
     key = "seq_log_ratio_abs_mean" if spec.ratio == "sequence" else "token_abs_mean"
-    eps = max(a.eps_low if a.eps_low is not None else spec.eps_low,
-              a.eps_high if a.eps_high is not None else spec.eps_high)
+    eps = max(a.eps_low, a.eps_high)  # the config holds the preset's when not set
     if mismatch[key] <= MISMATCH_WARN_FACTOR * eps or "mismatch" in run.warned:
         return
     run.warned.add("mismatch")
