@@ -16,15 +16,16 @@ two things. Runs train in this order (most wanted first):
    3x slower per token than the float32 sampler, only 3 steps (for mismatch/*), else --steps;
    then two probes of mismatch/* alone (no evaluation): float16 on both sides
    (train.precision=fp16-mixed) and float32 on both sides, 1 step each;
-4. GSPO's clip range 10x the paper's (3e-3 / 4e-3), then 1e-3 / 1.3e-3;
-5. off-policyness: algorithm.minibatches 8 then 1, GSPO and GRPO.
+4. off-policyness: algorithm.minibatches 8 then 1, GSPO and GRPO;
+5. GSPO's clip range about 3x the paper's (1e-3 / 1.3e-3), then 10x (3e-3 / 4e-3).
 
 Earlier runs of the same recipe are reused, not trained again (REUSED below: GSPO lr 5e-6 seeds
 0 and 1 with the float32 sampler, seed 0 with the bf16 sampler; GRPO lr 5e-6 seed 0 from
 async_staleness.json, whose evals are at steps 0 and 10 only, without mismatch/*). Nothing in a
 run depends on train.steps, so their first --steps steps are the same runs. A run whose metrics
-reach its steps is skipped (the script resumes where it stopped; an unfinished run is trained
-again from step 0), and no run starts that would not end by --until. After each run
+reach its steps is skipped (the script resumes where it stopped, from its run dirs or, when
+they are gone, from the rows smollm2_tuned.json keeps; an unfinished run is trained again from
+step 0), and no run starts that would not end by --until. After each run
 smollm2_tuned.json and the tables in smollm2_tuned.md (between its table markers; the prose
 around them is left alone) are rewritten from whatever has finished.
 """
@@ -112,10 +113,16 @@ def finished(rows: list[dict] | None, steps: int) -> bool:
 
 
 def load_rows(a, name: str) -> list[dict] | None:
-    """A run's metrics rows: from this script's run dir, else from an earlier run (REUSED)."""
+    """A run's metrics rows: from this script's run dir, else from the report's JSON (a run
+    reported earlier, its run dir gone), else from an earlier experiment (REUSED)."""
     path = Path(a.runs) / name / "metrics.jsonl"
     if path.exists():
         return read_metrics(path)
+    report = Path(a.out) / "smollm2_tuned.json"  # every row of each run reported so far
+    if report.exists():
+        earlier = json.loads(report.read_text())["runs"].get(name)
+        if earlier is not None:
+            return earlier["per_step"]
     src = REUSED.get(name)
     if src is None:
         return None
@@ -205,11 +212,11 @@ def plan(a):
     # float32 on both sides (what is left when no rounding differs: kernels, batching, KV cache)
     yield spec("gspo", 0, 1, dtype="float16", precision="fp16-mixed", probe=True)
     yield spec("gspo", 0, 1, precision="fp32", probe=True)
-    for eps in ((3e-3, 4e-3), (1e-3, 1.3e-3)):
-        yield spec("gspo", 0, a.steps, eps=eps)
     for mb in (8, 1):
         for algo in ("gspo", "grpo"):
             yield spec(algo, 0, a.steps, minibatches=mb)
+    for eps in ((1e-3, 1.3e-3), (3e-3, 4e-3)):
+        yield spec("gspo", 0, a.steps, eps=eps)
 
 
 def reported(a, model: Path) -> list[dict]:

@@ -273,11 +273,15 @@ def test_bf16_mixed_run_checkpoints_float32_and_resumes_exactly(tmp_path):
         assert torch.equal(v, b.state_dict()[k]), k
 
 
-def test_fp16_mixed_run_resumes_with_its_loss_scale(tmp_path):
+def test_fp16_mixed_run_resumes_with_its_loss_scale(tmp_path, caplog):
     from gspo.logger import read_metrics
     base = TINY_OVERRIDES + ["train.precision=fp16-mixed", "train.steps=2", "train.eval_every=0",
                              f"data.reward={ROOT / 'tests' / 'dist_update_worker.py'}:digit_fraction"]
-    train(load_config(overrides=base), tmp_path / "full")
+    with caplog.at_level(logging.WARNING, logger="gspo"):
+        train(load_config(overrides=base), tmp_path / "full")
+    # this CPU run is told what float16 costs there (the tiny model's step is quick anyway)
+    warned = [r.getMessage() for r in caplog.records if "on the CPU" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("train.precision=fp16-mixed on the CPU: ")
     train(load_config(overrides=base + ["train.steps=1"]), tmp_path / "cut")
     train(load_config(overrides=base), tmp_path / "cut", resume=True)
     full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
