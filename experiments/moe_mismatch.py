@@ -14,12 +14,17 @@ keeps float32 master weights under bf16 autocast, pi_old taken from the engine
     grpo+rr      GRPO + Routing Replay of the trainer's pi_old routing (pi_old recomputed)
     grpo+r3      GRPO + R3: the engine's own routing, recorded as it sampled, is replayed in
                  every training forward; pi_old = the engine's log-probs
+    gspo+recompute   GSPO, pi_old recomputed by the trainer (the engine mismatch kept out of
+                 the ratio: a control for the first row)
+    gspo-eps3e-2     GSPO, pi_old = the engine's log-probs, clip range 3e-2 (above the mismatch)
 
 Each seed warms one model up (supervised, shared by the variants so they start from the same
 policy). `--sweep OVERRIDE` adds, per override, one GSPO and one GRPO run of the first seed with
 that override on top (one axis, looking for a setting where the paper's effect shows).
 Writes moe_mismatch.{md,json} and mm_*.png; the text after the ANALYSIS marker in an existing
-moe_mismatch.md is written by hand and kept.
+moe_mismatch.md is written by hand and kept. A run whose rows moe_mismatch.json already holds
+(same settings) is not trained again, so the grid can grow by a variant (`--only NAME`) after
+its run dirs are gone; a seed's warm-up is trained only when one of its runs must be.
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ VARIANTS = {
                 "algorithm.old_logprobs=recompute"],
     "grpo+r3": ["algorithm=grpo", "algorithm.routing_replay=true",
                 "algorithm.old_logprobs=rollout"],
+    # controls for GSPO's lag: the same bf16 sampler, the mismatch kept out of its ratio
+    "gspo+recompute": ["algorithm=gspo", "algorithm.old_logprobs=recompute"],
+    "gspo-eps3e-2": ["algorithm=gspo", "algorithm.old_logprobs=rollout",
+                      "algorithm.eps_low=3e-2", "algorithm.eps_high=3e-2"],
 }
 MODEL = ["model.name_or_path=tiny-qwen3-moe", "model.num_layers=8", "model.num_experts=16",
          "model.num_experts_per_tok=2", "model.moe_intermediate_size=64"]
@@ -78,13 +87,18 @@ def warm_model(seed: int, out: Path, warmup: int) -> Path:
     return start
 
 
-def rl_run(run_dir: Path, overrides: list[str], steps: int, page_only: bool) -> list[dict] | None:
-    """Train unless run_dir holds a finished run (the step-0 eval row plus `steps` rows);
-    page_only: train nothing, None for a run not finished."""
+def rl_run(run_dir: Path, overrides: list[str], steps: int, page_only: bool,
+           earlier: list[dict] | None = None, warm=lambda: None) -> list[dict] | None:
+    """Train unless run_dir holds a finished run (the step-0 eval row plus `steps` rows) or
+    `earlier` (its rows in the last report) is one; page_only: train nothing, None for a run
+    not finished. warm(): the warm-up the run starts from, called before it trains."""
     if (run_dir / "metrics.jsonl").is_file() and len(read_metrics(run_dir)) > steps:
         return read_metrics(run_dir)
+    if earlier is not None and len(earlier) > steps:
+        return earlier
     if page_only:
         return None
+    warm()
     t0 = time.time()
     cfg = load_config(overrides=overrides)
     shutil.rmtree(run_dir, ignore_errors=True)  # rerun from scratch
@@ -107,17 +121,38 @@ def check_configs(args) -> None:
         load_config(overrides=rl_overrides(args, Path("tiny-qwen3-moe"), 0) + extra)
 
 
+def settings(args, seeds) -> dict:
+    return {"model": MODEL, "common": COMMON, "variants": VARIANTS, "steps": args.steps,
+            "warmup": args.warmup, "seeds": seeds, "mismatch_every": args.mismatch_every,
+            "n_eval": args.n_eval}
+
+
+def earlier_report(args) -> dict:
+    """The last report's runs ({"grid": ..., "sweep": ...}), if its settings (seeds and
+    variants aside) are this invocation's; else none."""
+    path = args.out / "moe_mismatch.json"
+    if not path.is_file():
+        return {"grid": {}, "sweep": {}}
+    old = json.loads(path.read_text())
+    now = settings(args, [])
+    same = all(old["settings"].get(k) == now[k] for k in now if k not in ("seeds", "variants"))
+    return old if same else {"grid": {}, "sweep": {}}
+
+
 def run_all(args) -> tuple[dict, dict]:
     """grid: variant -> seed -> metrics rows; sweep: override -> variant -> rows (first seed)."""
     grid: dict[str, dict[int, list[dict]]] = {v: {} for v in VARIANTS}
     sweep: dict[str, dict[str, list[dict]]] = {o: {} for o in args.sweep}
+    old = earlier_report(args)
     for seed in args.seeds:  # seed by seed, so a cut-short grid holds whole seeds
         start = args.work / f"warm-seed{seed}" / "checkpoints" / "step_000000"
-        if not args.page_only:
-            warm_model(seed, args.work / f"warm-seed{seed}", args.warmup)
+        warm = lambda seed=seed: warm_model(seed, args.work / f"warm-seed{seed}", args.warmup)  # noqa: E731
         for name, extra in VARIANTS.items():
+            if args.only and name not in args.only and str(seed) not in old["grid"].get(name, {}):
+                continue
             rows = rl_run(args.work / f"{name}-seed{seed}",
-                          rl_overrides(args, start, seed) + extra, args.steps, args.page_only)
+                          rl_overrides(args, start, seed) + extra, args.steps, args.page_only,
+                          old["grid"].get(name, {}).get(str(seed)), warm)
             if rows is not None:
                 grid[name][seed] = rows
     seed = args.seeds[0]
@@ -126,7 +161,8 @@ def run_all(args) -> tuple[dict, dict]:
         for name in ("gspo", "grpo"):
             rows = rl_run(args.work / f"sweep-{o}-{name}-seed{seed}",
                           rl_overrides(args, start, seed) + VARIANTS[name] + [o], args.steps,
-                          args.page_only)
+                          args.page_only, old["sweep"].get(o, {}).get(name),
+                          lambda: warm_model(seed, args.work / f"warm-seed{seed}", args.warmup))
             if rows is not None:
                 sweep[o][name] = rows
     return grid, sweep
@@ -247,9 +283,7 @@ def write_page(args, argv: list[str], grid: dict, sweep: dict) -> None:
     text += ["", ANALYSIS + kept.rstrip("\n") if kept else ANALYSIS]
     page.write_text("\n".join(text) + "\n")
     (args.out / "moe_mismatch.json").write_text(json.dumps(
-        {"settings": {"model": MODEL, "common": COMMON, "variants": VARIANTS,
-                      "steps": args.steps, "warmup": args.warmup, "seeds": seeds,
-                      "mismatch_every": args.mismatch_every, "n_eval": args.n_eval},
+        {"settings": settings(args, seeds),
          "grid": {n: {str(s): rows for s, rows in r.items()} for n, r in grid.items()},
          "sweep": sweep}))
 
@@ -265,6 +299,9 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--sweep", nargs="*", default=[], help="config overrides, one sweep point "
                    "each (GSPO and GRPO, first seed)")
+    p.add_argument("--only", nargs="*", default=[], metavar="VARIANT",
+                   help="train only these grid variants (the others' rows are kept from the "
+                        "last report where it has them)")
     p.add_argument("--runs-only", action="store_true", help="train, write no page")
     p.add_argument("--page-only", action="store_true", help="train nothing: the page from the "
                    "runs that finished (a grid cut short says so in its seed counts)")
