@@ -4,6 +4,7 @@ do GSPO and GRPO tolerate staleness alike? SmolLM2-135M-Instruct, 2-digit additi
     OMP_NUM_THREADS=1 .venv/bin/python experiments/async_staleness.py [--threads 1]
         [--main-steps 20] [--sweep-steps 10] [--seeds 0 1] [--staleness 0 1 2 4]
         [--runs DIR] [--out docs/results] [--only NAME ...] [--report-only]
+        [--model NAME_OR_DIR] [--extra KEY=VALUE ...]
 
 Two questions, one grid of runs, each from the same pretrained weights with the recipe
 examples/configs/smollm2_addition.yaml (8 prompts x G 8, <= 40 new tokens, lr 5e-6, 4
@@ -24,6 +25,8 @@ step at staleness 0, so it would not be the same run). The final checkpoint's we
 deleted once a run finishes (only metrics.jsonl and config.yaml are read). After each run,
 async_staleness.json (every run's per-step numbers and summaries) and async_staleness_table.md
 are rewritten from whatever has finished, so a stopped grid still reports what it has.
+`--model tiny-qwen3` with `--extra` sizes runs the same grid on the built-in tiny model (the
+test suite's smoke run).
 """
 
 from __future__ import annotations
@@ -42,10 +45,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from gspo.config import load_config  # noqa: E402
-from gspo.logger import read_metrics  # noqa: E402
-from gspo.pretrained import fetch_model  # noqa: E402
-from gspo.trainer import train  # noqa: E402
+from gspo import PRETRAINED, fetch_model, load_config, read_metrics, train  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "smollm2_addition.yaml"
 STEP_KEYS = ("reward/mean", "clip/frac", "rollout/staleness", "response/len_mean", "kl/old",
@@ -70,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--report-only", action="store_true", help="train nothing, only report")
     p.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE",
                    help="further config overrides for every run (e.g. for a quick smoke run)")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a gspo.PRETRAINED name, a model directory, or tiny-qwen3 (smoke runs)")
     return p.parse_args(argv)
 
 
@@ -149,7 +151,7 @@ def summarise(rows: list[dict], steps: int) -> dict:
 def main(argv=None) -> int:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
-    model = fetch_model("smollm2-135m-instruct")
+    model = fetch_model(a.model) if a.model in PRETRAINED else a.model
     runs = plan(a)
     for key, spec in runs.items():
         path = Path(a.runs) / key
@@ -180,7 +182,8 @@ def write_report(a, runs: dict[str, dict]) -> None:
     sweep_rows = {(r["algo"], r["k"]): summarise(r["rows"], a.sweep_steps)
                   for r in done.values() if r["seed"] == 0 and r["k"] in a.staleness}
     (out / "async_staleness.json").write_text(json.dumps({
-        "recipe": str(RECIPE.relative_to(RECIPE.parents[2])), "threads": a.threads,
+        "recipe": str(RECIPE.relative_to(RECIPE.parents[2])), "model": a.model,
+        "threads": a.threads,
         "main": {f"gspo-k{k}-s{seed}": v for (seed, k), v in sorted(main_rows.items())},
         "sweep": {f"{algo}-k{k}-s0": v for (algo, k), v in sorted(sweep_rows.items())},
     }, indent=1, default=str))

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python experiments/engine_likelihoods.py [--steps 10]
         [--seeds 0] [--variants NAME@key=value,... ...] [--runs DIR] [--out docs/results]
-        [--report-only]
+        [--report-only] [--model NAME_OR_DIR] [--extra KEY=VALUE ...]
 
 The paper's claim under test: GSPO can use the inference engine's likelihoods as pi_old
 directly (its sequence-level ratio tolerates the engine's precision), skipping the recompute.
@@ -11,6 +11,8 @@ Every run is the SmolLM2 recipe (examples/configs/smollm2_addition.yaml: bf16-mi
 evaluations every 5, on one thread; the variants change the sampler's dtype and where pi_old
 comes from. A finished run directory is reused. Writes engine_likelihoods.{json,md} (the
 table; the analysis lives in docs/results/paper_claims.md) and engine_likelihoods.png.
+`--model tiny-qwen3` with `--extra` sizes runs the same variants on the built-in tiny model (the
+test suite's smoke run).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from gspo import fetch_model, load_config, read_metrics, train  # noqa: E402
+from gspo import PRETRAINED, fetch_model, load_config, read_metrics, train  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "smollm2_addition.yaml"
 BF16_ROLLOUT = "rollout.dtype=bfloat16,algorithm.old_logprobs=rollout,algorithm.mismatch_every=5"
@@ -47,6 +49,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: the table of the variants' finished runs")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a gspo.PRETRAINED name, a model directory, or tiny-qwen3 (smoke runs)")
+    p.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="further config overrides for every run (e.g. for a quick smoke run)")
     return p.parse_args(argv)
 
 
@@ -81,9 +87,10 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
-    model = fetch_model("smollm2-135m-instruct")
+    model = fetch_model(a.model) if a.model in PRETRAINED else a.model
     results = {}
     for variant in a.variants:
         algo, _, extra = variant.partition("@")
@@ -96,16 +103,17 @@ def main(argv=None) -> int:
                                            f"algorithm={algo}", f"train.seed={seed}",
                                            f"train.steps={a.steps}", "train.eval_every=5",
                                            "train.progress=false", "train.save_every=0",
-                                           *filter(None, extra.split(","))])
+                                           *filter(None, extra.split(",")), *a.extra])
                 print(f"training {variant} seed {seed} -> {path}", flush=True)
                 train(cfg, path)
             results[(variant, seed)] = read_metrics(path / "metrics.jsonl")
-    write_report(a, results)
+    write_report(a, argv, results)
     return 0
 
 
-def write_report(a, results: dict) -> None:
+def write_report(a, argv: list[str], results: dict) -> None:
     out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     sums = {k: summarise(rows) for k, rows in results.items()}
     steps = sorted({s for v in sums.values() for s in v["evals"]})
     head = ("| variant | seed | " + " | ".join(f"acc @ {s}" for s in steps)
@@ -124,7 +132,7 @@ def write_report(a, results: dict) -> None:
         {f"{vr}|s{sd}": v for (vr, sd), v in sums.items()}, indent=1))
     (out / "engine_likelihoods.md").write_text(
         "# SmolLM2: pi_old from a bf16 sampler\n\nMade by `experiments/engine_likelihoods.py "
-        + " ".join(sys.argv[1:]) + "`; analysis in `paper_claims.md`.\n\n" + table + "\n")
+        + " ".join(argv) + "`; analysis in `paper_claims.md`.\n\n" + table + "\n")
     print(table)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for i, ((variant, seed), rows) in enumerate(results.items()):

@@ -2,6 +2,7 @@
 
     .venv/bin/python experiments/smollm2_gspo_vs_grpo.py [--steps 20] [--seeds 0 1]
         [--runs DIR] [--out docs/results] [--reuse gspo:0:RUN_DIR ...]
+        [--model NAME_OR_DIR] [--extra KEY=VALUE ...]
 
 Each (algorithm, seed) trains from the same pretrained weights with the recipe
 examples/configs/smollm2_addition.yaml (8 prompts x G 8, <= 40 new tokens, lr 5e-6, 4
@@ -11,6 +12,8 @@ sequence ratios, GRPO 0.2 / 0.27 on token ratios). The seed moves sampling and m
 A finished run directory is reused, not trained again (`--reuse` names one made elsewhere, e.g.
 the recipe's own run, whose first `--steps` steps are the same run). Writes
 smollm2_gspo_vs_grpo.md (a table per run and per algorithm) and PNG curves beside it.
+`--model tiny-qwen3` with `--extra` sizes runs the same comparison on the built-in tiny model
+(the test suite's smoke run).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from gspo import fetch_model, load_config, read_metrics, train  # noqa: E402
+from gspo import PRETRAINED, fetch_model, load_config, read_metrics, train  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "smollm2_addition.yaml"
 PLOTS = [("eval/accuracy", "held-out accuracy (avg@2, 64 problems)"), ("reward/mean", "reward"),
@@ -43,6 +46,10 @@ def parse_args(argv=None):
     p.add_argument("--runs", default="runs/smollm2-gspo-vs-grpo", help="where run dirs go")
     p.add_argument("--out", default="docs/results")
     p.add_argument("--reuse", nargs="*", default=[], metavar="ALGO:SEED:DIR")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a gspo.PRETRAINED name, a model directory, or tiny-qwen3 (smoke runs)")
+    p.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="further config overrides for every run (e.g. for a quick smoke run)")
     return p.parse_args(argv)
 
 
@@ -73,7 +80,7 @@ def summarise(rows: list[dict], steps: int) -> dict:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    model = fetch_model("smollm2-135m-instruct")
+    model = fetch_model(a.model) if a.model in PRETRAINED else a.model
     results = {}
     for algo in a.algorithms:
         for seed in a.seeds:
@@ -83,7 +90,8 @@ def main(argv=None) -> int:
                 cfg = load_config(RECIPE, [f"model.name_or_path={json.dumps(str(model))}",
                                            f"algorithm={name}", f"train.seed={seed}",
                                            f"train.steps={a.steps}", "train.progress=false",
-                                           "train.save_every=0", *filter(None, extra.split(","))])
+                                           "train.save_every=0", *filter(None, extra.split(",")),
+                                           *a.extra])
                 print(f"training {algo} seed {seed} -> {path}", flush=True)
                 train(cfg, path)
             results[(algo, seed)] = (path, read_metrics(path / "metrics.jsonl"))

@@ -3,13 +3,15 @@ addition, one CPU thread.
 
     OMP_NUM_THREADS=1 .venv/bin/python experiments/smollm2_tuned.py [--steps 10]
         [--eval-every 5] [--until HH:MM] [--runs DIR] [--out docs/results] [--report-only]
+        [--only NAME ...] [--model NAME_OR_DIR] [--extra KEY=VALUE ...]
 
 Every run starts from the same pretrained weights with the recipe
 examples/configs/smollm2_addition.yaml (8 prompts x G 8, <= 40 new tokens, 4 minibatches,
 bf16-mixed training with a float32 sampler, old_logprobs=recompute, lr 5e-6) and changes one or
 two things. Runs train in this order (most wanted first):
 
-1. lr sweep, seed 0: GSPO and GRPO at 1.5e-5 and 3e-5 (lr 5e-6 is read from earlier runs);
+1. lr sweep, seed 0: GSPO and GRPO at 1.5e-5 and 3e-5 (lr 5e-6 is read from earlier runs,
+   trained only where there are none);
 2. seed 1 of each algorithm's best lr (highest held-out at the last step, then at the eval
    before it, then the training reward of the last 3 steps);
 3. the sampler in float16 (GSPO, lr 5e-6): a 1-step probe first; if it samples more than
@@ -27,7 +29,9 @@ reach its steps is skipped (the script resumes where it stopped, from its run di
 they are gone, from the rows smollm2_tuned.json keeps; an unfinished run is trained again from
 step 0), and no run starts that would not end by --until. After each run
 smollm2_tuned.json and the tables in smollm2_tuned.md (between its table markers; the prose
-around them is left alone) are rewritten from whatever has finished.
+around them is left alone) are rewritten from whatever has finished. `--model tiny-qwen3` with
+`--extra` sizes runs the same plan on the built-in tiny model (the test suite's smoke run); the
+earlier runs are SmolLM2's, so they are reused only for the default model.
 """
 
 from __future__ import annotations
@@ -47,12 +51,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from gspo import fetch_model, load_config, read_metrics, train  # noqa: E402
+from gspo import PRETRAINED, fetch_model, load_config, read_metrics, train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m-instruct"
 RECIPE = ROOT / "examples" / "configs" / "smollm2_addition.yaml"
 RESULTS = ROOT / "docs" / "results"
-REUSED = {  # run name -> earlier metrics of exactly that run (same recipe, seed and overrides)
+REUSED = {  # run name -> earlier metrics of exactly that run (MODEL, same recipe, seed, overrides)
     "gspo-lr5e-06-s0": RESULTS / "smollm2_addition_bf16_mixed_fp32_sampler_s0_metrics.jsonl",
     "gspo-lr5e-06-s1": RESULTS / "smollm2_addition_bf16_mixed_fp32_sampler_s1_metrics.jsonl",
     "gspo-lr5e-06-bfloat16-s0": RESULTS / "smollm2_addition_bf16_mixed_s0_metrics.jsonl",
@@ -76,6 +81,12 @@ def parse_args(argv=None):
     p.add_argument("--report-only", action="store_true", help="train nothing, only report")
     p.add_argument("--skip", nargs="*", default=[], metavar="NAME",
                    help="runs not to train (e.g. one too slow for the time left)")
+    p.add_argument("--only", nargs="*", default=None, metavar="NAME",
+                   help="train only these runs (names as in the JSON, e.g. gspo-lr1.5e-05-s0)")
+    p.add_argument("--model", default=MODEL,
+                   help="a gspo.PRETRAINED name, a model directory, or tiny-qwen3 (smoke runs)")
+    p.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="further config overrides for every run (e.g. for a quick smoke run)")
     return p.parse_args(argv)
 
 
@@ -105,11 +116,17 @@ def config(a, model: Path, s: dict):
     """The resolved config of a run: load_config validates every override before any training."""
     return load_config(RECIPE, [f"model.name_or_path={json.dumps(str(model))}", *s["overrides"],
                                 f"train.eval_every={0 if s['probe'] else a.eval_every}",
-                                "train.save_every=0", "train.keep_last=1", "train.progress=false"])
+                                "train.save_every=0", "train.keep_last=1", "train.progress=false",
+                                *a.extra])
 
 
 def finished(rows: list[dict] | None, steps: int) -> bool:
     return bool(rows) and any(r["step"] >= steps and "loss" in r for r in rows)
+
+
+def reused(a) -> dict[str, Path]:
+    """The earlier runs this invocation may stand on: SmolLM2's, so none for another model."""
+    return REUSED if a.model == MODEL else {}
 
 
 def load_rows(a, name: str) -> list[dict] | None:
@@ -123,7 +140,7 @@ def load_rows(a, name: str) -> list[dict] | None:
         earlier = json.loads(report.read_text())["runs"].get(name)
         if earlier is not None:
             return earlier["per_step"]
-    src = REUSED.get(name)
+    src = reused(a).get(name)
     if src is None:
         return None
     if src.suffix == ".jsonl":
@@ -198,7 +215,7 @@ def fp16_steps(a) -> int | None:
 def plan(a):
     """Yield the runs in priority order; later entries may depend on earlier results."""
     for algo in ("gspo", "grpo"):
-        for lr in SWEEP_LRS[1:]:
+        for lr in SWEEP_LRS:  # lr 5e-6 is finished already where REUSED has it
             yield spec(algo, 0, a.steps, lr)
     for algo in ("gspo", "grpo"):
         lr = best_lr(a, algo)
@@ -255,12 +272,12 @@ def summarise(rows: list[dict], steps: int) -> dict:
             "s_per_step": statistics.mean(step_s)}
 
 
-def describe(s: dict) -> dict:
+def describe(a, s: dict) -> dict:
     c = s["cfg"]
     return {"algorithm": c.algorithm.name, "lr": c.optim.lr, "eps_low": c.algorithm.eps_low,
             "eps_high": c.algorithm.eps_high, "minibatches": c.algorithm.minibatches,
             "sampler": c.rollout.dtype, "precision": c.train.precision, "seed": c.train.seed,
-            "source": str(REUSED[s["name"]].relative_to(ROOT)) if s["name"] in REUSED
+            "source": str(reused(a)[s["name"]].relative_to(ROOT)) if s["name"] in reused(a)
             else "this script"}
 
 
@@ -310,14 +327,16 @@ def best_table(a, done: dict) -> str:
 
 def write_report(a, runs: list[dict]) -> None:
     out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     done = {}
     for s in runs:
         rows = load_rows(a, s["name"])
         if rows and any("loss" in r for r in rows):
-            done[s["name"]] = {**summarise(rows, s["steps"]), "run": describe(s),
+            done[s["name"]] = {**summarise(rows, s["steps"]), "run": describe(a, s),
                                "per_step": [r for r in rows if r["step"] <= s["steps"]]}
     (out / "smollm2_tuned.json").write_text(json.dumps(
-        {"recipe": str(RECIPE.relative_to(ROOT)), "threads": a.threads, "runs": done},
+        {"recipe": str(RECIPE.relative_to(ROOT)), "model": a.model, "threads": a.threads,
+         "runs": done},
         indent=1, default=str))
     tables = f"{TABLE_START}\n\n{run_table(a, done)}\n\n{best_table(a, done)}\n\n{TABLE_END}"
     md = out / "smollm2_tuned.md"
@@ -364,12 +383,12 @@ def plot(out: Path, done: dict) -> None:
 def main(argv=None) -> int:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
-    model = fetch_model("smollm2-135m-instruct")
+    model = fetch_model(a.model) if a.model in PRETRAINED else a.model
     if not a.report_only:
         for s in plan(a):  # a generator: each run's place in it may depend on the ones before
             config(a, model, s)  # check the overrides before anything trains
-            if s["name"] in a.skip or finished(load_rows(a, s["name"]), s["steps"]) \
-                    or not fits(a, s):
+            if s["name"] in a.skip or (a.only is not None and s["name"] not in a.only) \
+                    or finished(load_rows(a, s["name"]), s["steps"]) or not fits(a, s):
                 continue
             run_one(a, model, s)
             write_report(a, reported(a, model))
