@@ -441,6 +441,23 @@ def test_train_under_torchrun_with_vllm_on_every_rank(tmp_path, mode):
 
 
 @ONE_GPU
+def test_async_rollouts_under_torchrun_with_vllm_on_every_rank(tmp_path):
+    """rollout.max_staleness=1, one engine per rank sampling in its rank's sampler thread while
+    the trainers run their collectives: at staleness 0 each engine's log-probs are its
+    trainer's, at 1 one update old; the ranks exit cleanly."""
+    run = tmp_path / "run"
+    varied = f"data.reward={Path(__file__).with_name('dist_update_worker.py')}:digit_fraction"
+    out = torchrun_vllm("-m", "gspo", "train", "--output-dir", str(run), *TORCHRUN_VLLM,
+                        "train.steps=3", "rollout.max_staleness=1", varied,
+                        "algorithm.old_logprobs=rollout", "algorithm.mismatch_every=1")
+    assert "terminate called" not in out.stderr
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r[M.STALENESS] for r in rows] == [0, 1, 1]
+    assert rows[0][M.MISMATCH + "token_abs_max"] < 1e-4
+    assert all(r[M.MISMATCH + "token_abs_max"] > 1e-3 for r in rows[1:]), rows
+
+
+@ONE_GPU
 def test_sigterm_and_resume_under_torchrun_with_vllm(tmp_path):
     from test_run_control import steps_logged, wait_for
     run = tmp_path / "run"

@@ -123,6 +123,14 @@ class AsyncSampler:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            # the producer closes over the run, which holds this sampler: a reference cycle
+            # that kept the model, its DDP / FSDP2 wrapper and the process group's state alive
+            # until the garbage collector ran, at times during interpreter exit, where tearing
+            # gloo down aborted a rank ("terminate called without an active exception")
+            self._make = None
+            self._snapshots.clear()
+            self._batches.clear()
 
     # ---- the sampler's side
 

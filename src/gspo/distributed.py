@@ -29,6 +29,7 @@ Hugging Face state dict, the optimiser state gathered and keyed by parameter ind
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -158,6 +159,10 @@ def shutdown(wait: bool = True, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
     holds it)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
+    # what only a reference cycle still holds (a model's DDP wrapper, a collective's work) is
+    # freed now, while the group and the interpreter are whole: freed during interpreter exit,
+    # gloo's teardown can abort the process (pytorch#190489)
+    gc.collect()
     if wait:
         dist.barrier()  # bounded by the process group's timeout
     faulthandler.dump_traceback_later(timeout_s, exit=True)
