@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -179,6 +180,29 @@ def test_a_resumed_async_run_loses_no_update(tmp_path, tiny_overrides):
     assert [r[M.STALENESS] for r in rows[1:]] == [0, 1, 0, 1]
     assert threading.active_count() == alive  # the sampler threads ended with their runs
     assert torch.get_num_threads() == threads  # and torch has its threads back
+
+
+def test_a_closed_sampler_keeps_no_reference_to_its_producer_even_after_a_failure():
+    """A failed batch's traceback holds the producer's frames (and through them the run):
+    close() drops it with the producer, so nothing of the run waits for the collector."""
+    class Owner:  # stands for the run: it holds the sampler, whose producer refers back to it
+        def produce(self, step, hold):
+            raise ValueError("no batch")
+
+    gc.collect()
+    gc.disable()
+    try:
+        owner = Owner()
+        owner.sampler = AsyncSampler(VersionEngine(0.0), 1, 0, [("w", torch.tensor(0.0))],
+                                     owner.produce)
+        with pytest.raises(ValueError, match="no batch"):
+            owner.sampler.take(0)
+        owner.sampler.close()
+        alive = weakref.ref(owner)
+        del owner
+        assert alive() is None  # freed by reference counting alone
+    finally:
+        gc.enable()
 
 
 def test_a_finished_async_run_leaves_nothing_for_the_garbage_collector(tmp_path, tiny_overrides):

@@ -276,6 +276,7 @@ def test_bf16_mixed_run_checkpoints_float32_and_resumes_exactly(tmp_path):
 def test_fp16_mixed_run_resumes_with_its_loss_scale(tmp_path, caplog):
     from gspo.logger import read_metrics
     base = TINY_OVERRIDES + ["train.precision=fp16-mixed", "train.steps=2", "train.eval_every=0",
+                             "train.device=cpu",
                              f"data.reward={ROOT / 'tests' / 'dist_update_worker.py'}:digit_fraction"]
     with caplog.at_level(logging.WARNING, logger="gspo"):
         train(load_config(overrides=base), tmp_path / "full")

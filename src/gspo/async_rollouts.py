@@ -117,7 +117,8 @@ class AsyncSampler:
 
     def close(self, timeout: float = 600.0) -> None:
         """Stop after the current batch (waited for up to `timeout` s: the engine is closed
-        next, and must not be sampling)."""
+        next, and must not be sampling), then drop what refers back to the run (a thread still
+        running past the timeout keeps it)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -128,7 +129,8 @@ class AsyncSampler:
             # that kept the model, its DDP / FSDP2 wrapper and the process group's state alive
             # until the garbage collector ran, at times during interpreter exit, where tearing
             # gloo down aborted a rank ("terminate called without an active exception")
-            self._make = None
+            # (a failure's traceback too: its frames hold this sampler and the run)
+            self._make, self._error = None, None
             self._snapshots.clear()
             self._batches.clear()
 

@@ -52,7 +52,7 @@ def train_main(argv: list[str]) -> int:
     from gspo.trainer import train
 
     args = _train_parser().parse_args(argv)
-    cfg = None
+    cfg = failed = None
     try:
         if args.world_size is not None and not args.dry_run:
             raise ConfigError("--world-size plans a launch for --dry-run to check; a run takes "
@@ -75,19 +75,36 @@ def train_main(argv: list[str]) -> int:
                            f"runs/{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         summary = train(cfg, run_dir, resume=bool(args.resume))
         shutdown(wait=True)
-    except GspoError:
-        shutdown(wait=False)
-        raise
+    except GspoError as e:
+        failed = _without_frames(e)
     except RuntimeError as e:  # under torchrun: a peer failed, or a collective timed out
-        why = collective_failure(e, cfg.train.dist_timeout_s if cfg else 600.0)
-        if why is None:
+        failed = collective_failure(e, cfg.train.dist_timeout_s if cfg else 600.0)
+        if failed is None:
             raise
+    # after a failure, out of the except block: its traceback held train()'s frames and so the
+    # run, which shutdown() frees before the process group (freed at interpreter exit, gloo's
+    # teardown can abort the process)
+    if isinstance(failed, GspoError):
         shutdown(wait=False)
-        say(f"gspo: error: {why}")
+        raise failed
+    if failed is not None:  # a collective failure's line
+        shutdown(wait=False)
+        say(f"gspo: error: {failed}")
         return 1
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, once
         print_summary(summary)
     return 0
+
+
+def _without_frames(e: BaseException) -> BaseException:
+    """e, its traceback and those of the exceptions it chains to dropped (a GspoError is reported
+    by its message alone)."""
+    seen, x = set(), e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        x.__traceback__ = None
+        x = x.__cause__ or x.__context__
+    return e
 
 
 def resume_config(run_dir: Path, config: str | None, overrides: list[str]):

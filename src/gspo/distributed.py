@@ -161,8 +161,13 @@ def shutdown(wait: bool = True, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         return
     # what only a reference cycle still holds (a model's DDP wrapper, a collective's work) is
     # freed now, while the group and the interpreter are whole: freed during interpreter exit,
-    # gloo's teardown can abort the process (pytorch#190489)
-    gc.collect()
+    # gloo's teardown can abort the process (pytorch#190489); bounded, as a finaliser may wait
+    # on a peer that is gone
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    try:
+        gc.collect()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     if wait:
         dist.barrier()  # bounded by the process group's timeout
     faulthandler.dump_traceback_later(timeout_s, exit=True)

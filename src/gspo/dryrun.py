@@ -73,8 +73,9 @@ def dry_run(cfg: Config, world: int | None = None, run_dir: str | Path | None = 
         "prompt_tokens_max": prompt_max, "prompt_tokens_mean": prompt_mean,
         "memory": memory_estimate(model, cfg, world, mode, prompt_max),
     }
-    device = None if cfg.train.device.startswith("cuda") else resolve_device(cfg.train.device)
-    warnings += capacity_warning(cfg, figures["memory"]) + setting_warnings(cfg, device)
+    on_cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto"
+                                           and not torch.cuda.is_available())
+    warnings += capacity_warning(cfg, figures["memory"]) + setting_warnings(cfg, on_cpu)
     warnings += budget_warning(cfg, prompt_max + cfg.rollout.max_new_tokens)
     print_report(cfg, figures, model, tokenizer, sample, measured, warnings, out)
     return figures

@@ -100,16 +100,24 @@ with pi_old from a bf16 sampler needs its clip range beyond the engine's ~1e-2 s
 mismatch, and at 3e-2 (75-100x) it learned best (docs/results/engine_likelihoods.md)"""
 
 
-def setting_warnings(cfg: Config, device: torch.device | None = None) -> list[str]:
+# what float16 cost on the CPU gspo was measured on (docs/results/smollm2_tuned.md)
+FP16_CPU_MEASURED = {
+    "train": "on a 2-core AMD EPYC with AVX512-BF16, one fp16-mixed SmolLM2 step did not finish "
+             "in 13 min, against ~1 min in bf16-mixed",
+    "rollout": "on a 2-core AMD EPYC with AVX512-BF16, a float16 sampler ran 3-4.5x slower per "
+               "token than a float32 one",
+}
+
+
+def setting_warnings(cfg: Config, on_cpu: bool = False) -> list[str]:
     """Settings that run but are known to fail, one line each: a clip range far from the
     objective's own (GSPO given GRPO's 0.2: its length-normalised sequence ratio stays within
     ~1e-3 of 1, so nothing is ever clipped and the update is unbounded, the misconfiguration
     peers' users hit, trl#3834; GRPO given GSPO's 3e-4: almost every token is clipped and
     carries no gradient). A token-sum aggregation of a sequence ratio (ROLL#165) cannot be
     configured: a sequence objective takes its one aggregation (gspo.objectives.LossSpec).
-    float16 on the CPU (`device`, the one the run computes on): most CPUs have no fast
-    float16 matmul (measured here, an AMD EPYC with AVX512-BF16: a float16 sampler 4.5x slower
-    per token than float32's; one fp16-mixed SmolLM2 step unfinished after 13 min)."""
+    float16 where the run computes on the CPU (`on_cpu`): most CPUs have no fast float16 matmul
+    (FP16_CPU_MEASURED says what it cost here)."""
     from gspo.objectives import OBJECTIVES
 
     a, spec, out = cfg.algorithm, OBJECTIVES[cfg.algorithm.name], []
@@ -124,13 +132,13 @@ def setting_warnings(cfg: Config, device: torch.device | None = None) -> list[st
             out.append(f"algorithm.{side}={eps:g} is 1/{own / max(eps, 1e-12):.0f} of "
                        f"{a.name}'s own clip range ({own:g}): almost every term is clipped "
                        f"and carries no gradient; use {own:g} or a fraction of it near 1")
-    fp16 = [s for s, on in (("train.precision=fp16-mixed", cfg.train.precision == "fp16-mixed"),
-                            ("rollout.dtype=float16", cfg.rollout.dtype == "float16")) if on]
-    if fp16 and device is not None and device.type == "cpu":
-        out.append(f"{' and '.join(fp16)} on the CPU: most CPUs have no fast float16 matmul "
-                   f"(a float16 sampler ran 4.5x slower per token than float32 here, an "
-                   f"fp16-mixed step many times slower); use train.precision=bf16-mixed and "
-                   f"rollout.dtype=auto (bfloat16) or float32")
+    if on_cpu and cfg.train.precision == "fp16-mixed":
+        out.append(f"train.precision=fp16-mixed on the CPU: most CPUs have no fast float16 "
+                   f"matmul ({FP16_CPU_MEASURED['train']}); use train.precision=bf16-mixed or "
+                   f"fp32")
+    if on_cpu and cfg.rollout.dtype == "float16":
+        out.append(f"rollout.dtype=float16 on the CPU: most CPUs have no fast float16 matmul "
+                   f"({FP16_CPU_MEASURED['rollout']}); use rollout.dtype=bfloat16 or float32")
     return out
 
 

@@ -119,7 +119,7 @@ def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train
     torch.manual_seed(t.seed)
     p = preflight(cfg, run_dir, resume, d.world, device=d.device, reward_fn=reward_fn,
                   train_data=train_data, eval_data=eval_data)
-    for warning in setting_warnings(cfg, d.device) if d.is_main else []:
+    for warning in setting_warnings(cfg, on_cpu=d.device.type == "cpu") if d.is_main else []:
         log.warning(warning)
     run_dir.mkdir(parents=True, exist_ok=True)
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar per save
