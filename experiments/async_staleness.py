@@ -19,7 +19,8 @@ rollout.max_staleness, algorithm.name and train.seed changed:
   do not look ahead), so it is the same run.
 
 Runs go in the order of RUNS below (most wanted first) and a run whose metrics reach its steps
-is skipped, so the script resumes where it was stopped; an unfinished run directory is deleted
+is skipped (read from its run dir or, when that is gone, from the rows async_staleness.json
+keeps), so the script resumes where it was stopped; an unfinished run directory is deleted
 and trained again from step 0 (an asynchronous run resumed from a checkpoint samples its first
 step at staleness 0, so it would not be the same run). The final checkpoint's weights are
 deleted once a run finishes (only metrics.jsonl and config.yaml are read). After each run,
@@ -103,11 +104,34 @@ def plan(a) -> dict[str, dict]:
     return runs
 
 
-def finished(path: Path, steps: int) -> bool:
+def finished(rows: list[dict] | None, steps: int) -> bool:
+    return bool(rows) and any(r["step"] >= steps and "loss" in r for r in rows)
+
+
+def load_run(a, key: str) -> tuple[list[dict], dict | None] | None:
+    """A run's metrics rows and wall time: from its run dir, else from the rows the report's
+    JSON keeps (a run reported earlier, its run dir gone: the longest entry, main or sweep)."""
+    path = Path(a.runs) / key
     try:
-        return any(r["step"] >= steps and "loss" in r for r in read_metrics(path / "metrics.jsonl"))
+        rows = read_metrics(path / "metrics.jsonl")
+        wall = path / "wall_s.json"
+        return rows, json.loads(wall.read_text()) if wall.is_file() else None
     except (OSError, ValueError):
-        return False
+        pass
+    report = Path(a.out) / "async_staleness.json"
+    if not report.is_file():
+        return None
+    old = json.loads(report.read_text())
+    entries = [old[part][key] for part in ("main", "sweep") if key in old.get(part, {})]
+    if not entries:
+        return None
+    v = max(entries, key=lambda e: len(e["per_step"]["reward/mean"]))
+    steps = len(v["per_step"]["reward/mean"])
+    rows = [{"step": int(s), "eval/accuracy": acc} for s, acc in v["evals"].items()]
+    rows += [{"step": i + 1, "loss": None,
+              **{k: xs[i] for k, xs in v["per_step"].items() if xs[i] is not None}}
+             for i in range(steps)]
+    return rows, v.get("wall")
 
 
 def run_one(a, model: Path, spec: dict, path: Path) -> None:
@@ -154,11 +178,11 @@ def main(argv=None) -> int:
     model = fetch_model(a.model) if a.model in PRETRAINED else a.model
     runs = plan(a)
     for key, spec in runs.items():
-        path = Path(a.runs) / key
-        if a.report_only or finished(path, spec["steps"]) or (a.only is not None
-                                                               and key not in a.only):
+        got = load_run(a, key)
+        if a.report_only or finished(got and got[0], spec["steps"]) or (
+                a.only is not None and key not in a.only):
             continue
-        run_one(a, model, spec, path)
+        run_one(a, model, spec, Path(a.runs) / key)
         write_report(a, runs)
     write_report(a, runs)
     return 0
@@ -169,12 +193,9 @@ def write_report(a, runs: dict[str, dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     done = {}
     for key, spec in runs.items():
-        path = Path(a.runs) / key
-        if finished(path, spec["steps"]):
-            rows = read_metrics(path / "metrics.jsonl")
-            wall = path / "wall_s.json"
-            done[key] = {**spec, "run": str(path), "rows": rows,
-                         "wall": json.loads(wall.read_text()) if wall.is_file() else None}
+        got = load_run(a, key)
+        if got and finished(got[0], spec["steps"]):
+            done[key] = {**spec, "rows": got[0], "wall": got[1]}
     main_rows = {(r["seed"], r["k"]): {**summarise(r["rows"], a.main_steps), "wall": r["wall"]}
                  for key, r in done.items()
                  if r["algo"] == "gspo" and r["k"] in (0, 1) and r["seed"] in a.seeds

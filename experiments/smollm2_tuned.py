@@ -19,7 +19,9 @@ two things. Runs train in this order (most wanted first):
    then two probes of mismatch/* alone (no evaluation): float16 on both sides
    (train.precision=fp16-mixed) and float32 on both sides, 1 step each;
 4. off-policyness: algorithm.minibatches 8 then 1, GSPO and GRPO;
-5. GSPO's clip range about 3x the paper's (1e-3 / 1.3e-3), then 10x (3e-3 / 4e-3).
+5. GSPO's clip range about 3x the paper's (1e-3 / 1.3e-3), then 10x (3e-3 / 4e-3);
+6. minibatches 1 and 8 again, each algorithm at its best lr (seed 0);
+7. seed 1 of GSPO at the 10x clip range.
 
 Earlier runs of the same recipe are reused, not trained again (REUSED below: GSPO lr 5e-6 seeds
 0 and 1 with the float32 sampler, seed 0 with the bf16 sampler; GRPO lr 5e-6 seed 0 from
@@ -234,6 +236,13 @@ def plan(a):
             yield spec(algo, 0, a.steps, minibatches=mb)
     for eps in ((1e-3, 1.3e-3), (3e-3, 4e-3)):
         yield spec("gspo", 0, a.steps, eps=eps)
+    # the off-policy axis again, each algorithm at its own best lr (at 5e-6 GSPO is handicapped)
+    for algo in ("gspo", "grpo"):
+        lr = best_lr(a, algo)
+        if lr is not None:
+            for mb in (1, 8):
+                yield spec(algo, 0, a.steps, lr, minibatches=mb)
+    yield spec("gspo", 1, a.steps, eps=(3e-3, 4e-3))  # the wider clip range's second seed
 
 
 def reported(a, model: Path) -> list[dict]:
@@ -344,11 +353,12 @@ def write_report(a, runs: list[dict]) -> None:
     head, _, rest = text.partition(TABLE_START)
     md.write_text(head + tables + rest.partition(TABLE_END)[2])
     print(run_table(a, done), flush=True)
-    plot(out, done)
+    plot(out, done, {algo: best_lr(a, algo) for algo in ("gspo", "grpo")})
 
 
-def plot(out: Path, done: dict) -> None:
-    """One figure per question, reward per step and held-out accuracy side by side."""
+def plot(out: Path, done: dict, best: dict) -> None:
+    """One figure per question, reward per step and held-out accuracy side by side; `best`
+    maps an algorithm to its best lr."""
     groups = {
         "lr": lambda d: d["minibatches"] == 4 and d["sampler"] == "float32"
         and d["precision"] == "bf16-mixed" and d["eps_low"] in (3e-4, 0.2),
@@ -356,6 +366,9 @@ def plot(out: Path, done: dict) -> None:
         and d["minibatches"] == 4 and d["eps_low"] == 3e-4,
         "clip_minibatches": lambda d: d["lr"] == 5e-6 and d["seed"] == 0
         and d["sampler"] == "float32" and d["precision"] == "bf16-mixed",
+        "minibatches_best_lr": lambda d: d["lr"] == best.get(d["algorithm"]) and d["seed"] == 0
+        and d["eps_low"] in (3e-4, 0.2) and d["sampler"] == "float32"
+        and d["precision"] == "bf16-mixed",
     }
     for group, keep in groups.items():
         sel = {n: v for n, v in done.items() if keep(v["run"])}

@@ -60,7 +60,7 @@ def test_moe_stability_trains_each_variant_and_writes_its_table(tmp_path, experi
     assert all((out / f"moe_{key.replace('/', '_')}.png").is_file() for key, _ in mod.PLOTS)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 def test_moe_mismatch_trains_a_variant_and_reads_it_back_from_its_report(tmp_path, experiment):
     mod = experiment("moe_mismatch")
     out, work = tmp_path / "out", tmp_path / "runs"
@@ -80,6 +80,37 @@ def test_moe_mismatch_trains_a_variant_and_reads_it_back_from_its_report(tmp_pat
     assert json.loads((out / "moe_mismatch.json").read_text())["grid"]["gspo"]["0"] == rows
     text = page.read_text()
     assert "| gspo (n=1) |" in text and text.endswith(f"{mod.ANALYSIS}\nkept by hand\n")
+    # a sweep point trains on top; a later invocation without it keeps its rows
+    assert mod.main(argv + ["--only", "gspo", "--sweep", "optim.lr=1e-3",
+                            "--sweep-variants", "grpo"]) == 0
+    sweep = json.loads((out / "moe_mismatch.json").read_text())["sweep"]
+    assert list(sweep) == ["optim.lr=1e-3"] and list(sweep["optim.lr=1e-3"]) == ["grpo"]
+    assert rl_steps(sweep["optim.lr=1e-3"]["grpo"]) == [1, 2]
+    shutil.rmtree(work)
+    assert mod.main(argv + ["--page-only"]) == 0
+    res = json.loads((out / "moe_mismatch.json").read_text())
+    assert res["sweep"] == sweep and res["grid"]["gspo"]["0"] == rows
+    assert "| `optim.lr=1e-3` | grpo |" in page.read_text()
+
+
+def test_moe_mismatch_drops_the_rows_of_a_variant_whose_overrides_changed(tmp_path, experiment,
+                                                                           monkeypatch):
+    mod = experiment("moe_mismatch")
+    out = tmp_path
+    old = {"settings": {**mod.settings(mod.argparse.Namespace(
+        steps=2, warmup=2, mismatch_every=5, n_eval=8), [0])}, "grid": {}, "sweep": {}}
+    old["grid"] = {"gspo": {"0": [{"step": 0}]}, "grpo": {"0": [{"step": 0}]}}
+    old["sweep"] = {"optim.lr=1e-3": {"gspo": [{"step": 0}], "grpo": [{"step": 0}]}}
+    (out / "moe_mismatch.json").write_text(json.dumps(old))
+    args = mod.argparse.Namespace(steps=2, warmup=2, mismatch_every=5, n_eval=8, out=out,
+                                  seeds=[0])
+    monkeypatch.setitem(mod.VARIANTS, "grpo", mod.VARIANTS["grpo"] + ["algorithm.beta=0.1"])
+    kept = mod.earlier_report(args)
+    assert set(kept["grid"]) == {"gspo"} and kept["sweep"] == {"optim.lr=1e-3": {"gspo": [
+        {"step": 0}]}}
+    # the sweep ran on seed 0: a first seed of 1 keeps none of it
+    assert mod.earlier_report(mod.argparse.Namespace(**{**vars(args), "seeds": [1, 0]}))[
+        "sweep"] == {}
 
 
 @pytest.mark.timeout(90)
@@ -102,6 +133,14 @@ def test_async_staleness_trains_its_grid_on_a_tiny_model(tmp_path, experiment):
     assert "| max_staleness | seed |" in table and "| algorithm | max_staleness |" in table
     assert (out / "async_staleness.png").is_file()
     assert not list(runs.rglob("model.safetensors"))  # weights deleted once a run finished
+    # the run dirs gone, a rerun trains nothing and reports the same runs from the JSON's rows
+    shutil.rmtree(runs)
+    assert mod.main([*SMOLLM2, "--main-steps", "2", "--sweep-steps", "1", "--seeds", "0",
+                     "--staleness", "0", "1", "--eval-every", "1", "--runs", str(runs),
+                     "--out", str(out)]) == 0
+    assert not runs.exists()
+    assert json.loads((out / "async_staleness.json").read_text()) == res
+    assert (out / "async_staleness_table.md").read_text() == table
 
 
 @pytest.mark.timeout(90)
@@ -154,5 +193,5 @@ def test_smollm2_tuned_trains_the_lr_sweep_and_a_probe_on_a_tiny_model(tmp_path,
     assert mod.TABLE_START in page and mod.TABLE_END in page
     assert "| gspo | " in page and "| grpo | " not in page  # a best lr for GSPO only
     assert all((out / f"smollm2_tuned_{g}.png").is_file()
-               for g in ("lr", "precision", "clip_minibatches"))
+               for g in ("lr", "precision", "clip_minibatches", "minibatches_best_lr"))
     assert not list(runs.rglob("model.safetensors"))
