@@ -1,6 +1,8 @@
 """Callbacks observe a run: every hook in order, with the values the run logs, and a run with
 callbacks is the run without them."""
 
+import gc
+
 import pytest
 
 from gspo import Callback
@@ -71,3 +73,27 @@ def test_a_run_with_callbacks_is_the_run_without(tmp_path, tiny_overrides):
 def test_a_callback_that_is_not_one_is_refused():
     with pytest.raises(TypeError, match="gspo.Callback instances, got function"):
         Callbacks([lambda run: None])
+
+
+def test_a_callback_that_keeps_the_run_does_not_keep_it_alive_after_train(tmp_path,
+                                                                         tiny_overrides):
+    """run -> callbacks -> the callback -> run is a cycle; train() collects it, so the model
+    and its process group's state are not left to a later collection (under torchrun, one at
+    interpreter exit can abort the rank)."""
+    from gspo.run import Run
+
+    class Keeper(Callback):
+        def on_train_begin(self, run):
+            self.run = run
+
+    def runs_alive():
+        return sum(isinstance(o, Run) for o in gc.get_objects())
+
+    gc.collect()
+    before = runs_alive()
+    gc.disable()
+    try:
+        train(load_config(overrides=tiny_overrides), tmp_path, callbacks=[Keeper()])
+        assert runs_alive() == before
+    finally:
+        gc.enable()

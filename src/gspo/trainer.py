@@ -439,3 +439,7 @@ def close_run(run: Run) -> None:
     run.engine.close()
     run.routing.close()
     close_reward(run.reward_fn)
+    # a callback that kept `run` closes a cycle (run -> callbacks -> it -> run) that reference
+    # counting cannot free: left to a later collection (at interpreter exit, under torchrun,
+    # gloo's teardown can then abort the rank: gspo.distributed.shutdown)
+    run.callbacks = Callbacks()
