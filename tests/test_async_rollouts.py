@@ -205,16 +205,17 @@ def test_a_closed_sampler_keeps_no_reference_to_its_producer_even_after_a_failur
         gc.enable()
 
 
+def runs_alive() -> int:
+    """How many gspo Run objects exist (the collector sees them all)."""
+    from gspo.run import Run
+    return sum(isinstance(o, Run) for o in gc.get_objects())
+
+
 def test_a_finished_async_run_leaves_nothing_for_the_garbage_collector(tmp_path, tiny_overrides):
     """The run (model, optimiser, engine, a DDP wrapper's process-group state) is freed when
     train() returns, by reference counting: left in a reference cycle it lived until the
     collector ran, at times during interpreter exit, where gloo's teardown aborted a torchrun
     rank ("terminate called without an active exception") in about 1 run in 30."""
-    from gspo.run import Run
-
-    def runs_alive():
-        return sum(isinstance(o, Run) for o in gc.get_objects())
-
     gc.collect()
     before = runs_alive()
     gc.disable()

@@ -80,14 +80,11 @@ def test_a_callback_that_keeps_the_run_does_not_keep_it_alive_after_train(tmp_pa
     """run -> callbacks -> the callback -> run is a cycle; train() collects it, so the model
     and its process group's state are not left to a later collection (under torchrun, one at
     interpreter exit can abort the rank)."""
-    from gspo.run import Run
+    from test_async_rollouts import runs_alive
 
     class Keeper(Callback):
         def on_train_begin(self, run):
             self.run = run
-
-    def runs_alive():
-        return sum(isinstance(o, Run) for o in gc.get_objects())
 
     gc.collect()
     before = runs_alive()
