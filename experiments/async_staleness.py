@@ -122,6 +122,10 @@ def load_run(a, key: str) -> tuple[list[dict], dict | None] | None:
     if not report.is_file():
         return None
     old = json.loads(report.read_text())
+    # the same run only if of the same model and extra overrides (a report from before they
+    # were recorded was SmolLM2's, without extras)
+    if (old.get("model", "smollm2-135m-instruct"), old.get("extra", [])) != (a.model, a.extra):
+        return None
     entries = [old[part][key] for part in ("main", "sweep") if key in old.get(part, {})]
     if not entries:
         return None
@@ -203,7 +207,7 @@ def write_report(a, runs: dict[str, dict]) -> None:
     sweep_rows = {(r["algo"], r["k"]): summarise(r["rows"], a.sweep_steps)
                   for r in done.values() if r["seed"] == 0 and r["k"] in a.staleness}
     (out / "async_staleness.json").write_text(json.dumps({
-        "recipe": str(RECIPE.relative_to(RECIPE.parents[2])), "model": a.model,
+        "recipe": str(RECIPE.relative_to(RECIPE.parents[2])), "model": a.model, "extra": a.extra,
         "threads": a.threads,
         "main": {f"gspo-k{k}-s{seed}": v for (seed, k), v in sorted(main_rows.items())},
         "sweep": {f"{algo}-k{k}-s0": v for (algo, k), v in sorted(sweep_rows.items())},

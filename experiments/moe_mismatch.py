@@ -315,7 +315,7 @@ def main(argv=None) -> int:
                    "each (GSPO and GRPO, first seed)")
     p.add_argument("--sweep-variants", nargs="+", default=["gspo", "grpo"], metavar="VARIANT",
                    choices=list(VARIANTS), help="the variants each sweep point runs")
-    p.add_argument("--only", nargs="*", default=[], metavar="VARIANT",
+    p.add_argument("--only", nargs="*", default=[], metavar="VARIANT", choices=list(VARIANTS),
                    help="train only these grid variants (the others' rows are kept from the "
                         "last report where it has them)")
     p.add_argument("--runs-only", action="store_true", help="train, write no page")

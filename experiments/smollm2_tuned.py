@@ -139,8 +139,12 @@ def load_rows(a, name: str) -> list[dict] | None:
         return read_metrics(path)
     report = Path(a.out) / "smollm2_tuned.json"  # every row of each run reported so far
     if report.exists():
-        earlier = json.loads(report.read_text())["runs"].get(name)
-        if earlier is not None:
+        old = json.loads(report.read_text())
+        earlier = old["runs"].get(name)
+        # the same run only if of the same model and extra overrides (a report from before
+        # they were recorded was SmolLM2's, without extras)
+        if earlier is not None and (old.get("model", MODEL), old.get("extra", [])) == \
+                (a.model, a.extra):
             return earlier["per_step"]
     src = reused(a).get(name)
     if src is None:
@@ -344,7 +348,8 @@ def write_report(a, runs: list[dict]) -> None:
             done[s["name"]] = {**summarise(rows, s["steps"]), "run": describe(a, s),
                                "per_step": [r for r in rows if r["step"] <= s["steps"]]}
     (out / "smollm2_tuned.json").write_text(json.dumps(
-        {"recipe": str(RECIPE.relative_to(ROOT)), "model": a.model, "threads": a.threads,
+        {"recipe": str(RECIPE.relative_to(ROOT)), "model": a.model, "extra": a.extra,
+         "threads": a.threads,
          "runs": done},
         indent=1, default=str))
     tables = f"{TABLE_START}\n\n{run_table(a, done)}\n\n{best_table(a, done)}\n\n{TABLE_END}"

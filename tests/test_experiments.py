@@ -141,6 +141,11 @@ def test_async_staleness_trains_its_grid_on_a_tiny_model(tmp_path, experiment):
     assert not runs.exists()
     assert json.loads((out / "async_staleness.json").read_text()) == res
     assert (out / "async_staleness_table.md").read_text() == table
+    # ... but not for runs of other settings
+    assert mod.main([*SMOLLM2, "rollout.temperature=0.9", "--report-only", "--seeds", "0",
+                     "--staleness", "0", "1", "--runs", str(runs), "--out", str(out)]) == 0
+    res = json.loads((out / "async_staleness.json").read_text())
+    assert res["main"] == {} and res["sweep"] == {}
 
 
 @pytest.mark.timeout(90)
