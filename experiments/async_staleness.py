@@ -4,7 +4,8 @@ do GSPO and GRPO tolerate staleness alike? SmolLM2-135M-Instruct, 2-digit additi
     OMP_NUM_THREADS=1 .venv/bin/python experiments/async_staleness.py [--threads 1]
         [--main-steps 20] [--sweep-steps 10] [--seeds 0 1] [--staleness 0 1 2 4]
         [--runs DIR] [--out docs/results] [--only NAME ...] [--report-only]
-        [--model NAME_OR_DIR] [--extra KEY=VALUE ...]
+        [--model NAME_OR_DIR] [--extra KEY=VALUE ...] [--gspo-extra KEY=VALUE ...]
+        [--name async_staleness]
 
 Two questions, one grid of runs, each from the same pretrained weights with the recipe
 examples/configs/smollm2_addition.yaml (8 prompts x G 8, <= 40 new tokens, lr 5e-6, 4
@@ -27,7 +28,13 @@ deleted once a run finishes (only metrics.jsonl and config.yaml are read). After
 async_staleness.json (every run's per-step numbers and summaries) and async_staleness_table.md
 are rewritten from whatever has finished, so a stopped grid still reports what it has.
 `--model tiny-qwen3` with `--extra` sizes runs the same grid on the built-in tiny model (the
-test suite's smoke run).
+test suite's smoke run). `--extra` changes every run and `--gspo-extra` the GSPO runs only; with
+`--name` the grid writes NAME.json, NAME_table.md and NAME.png, e.g. the paper's setting, pi_old
+from the sampler, with GSPO's clip range above the sampler/trainer mismatch:
+
+    experiments/async_staleness.py --name async_staleness_rollout --seeds 0 --main-steps 10 \
+        --staleness 0 1 4 --extra algorithm.old_logprobs=rollout \
+        --gspo-extra algorithm.eps_low=3e-2 algorithm.eps_high=3e-2
 """
 
 from __future__ import annotations
@@ -71,6 +78,10 @@ def parse_args(argv=None):
     p.add_argument("--report-only", action="store_true", help="train nothing, only report")
     p.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE",
                    help="further config overrides for every run (e.g. for a quick smoke run)")
+    p.add_argument("--gspo-extra", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="further config overrides for the GSPO runs (e.g. a clip range)")
+    p.add_argument("--name", default="async_staleness",
+                   help="the report's file names: NAME.json, NAME_table.md, NAME.png")
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="a gspo.PRETRAINED name, a model directory, or tiny-qwen3 (smoke runs)")
     return p.parse_args(argv)
@@ -118,13 +129,14 @@ def load_run(a, key: str) -> tuple[list[dict], dict | None] | None:
         return rows, json.loads(wall.read_text()) if wall.is_file() else None
     except (OSError, ValueError):
         pass
-    report = Path(a.out) / "async_staleness.json"
+    report = Path(a.out) / f"{a.name}.json"
     if not report.is_file():
         return None
     old = json.loads(report.read_text())
     # the same run only if of the same model and extra overrides (a report from before they
     # were recorded was SmolLM2's, without extras)
-    if (old.get("model", "smollm2-135m-instruct"), old.get("extra", [])) != (a.model, a.extra):
+    if (old.get("model", "smollm2-135m-instruct"), old.get("extra", []),
+            old.get("gspo_extra", [])) != (a.model, a.extra, a.gspo_extra):
         return None
     entries = [old[part][key] for part in ("main", "sweep") if key in old.get(part, {})]
     if not entries:
@@ -147,7 +159,8 @@ def run_one(a, model: Path, spec: dict, path: Path) -> None:
                                f"rollout.max_staleness={spec['k']}",
                                f"train.steps={spec['steps']}",
                                f"train.eval_every={a.eval_every}", "train.progress=false",
-                               "train.save_every=0", "train.keep_last=1", *a.extra])
+                               "train.save_every=0", "train.keep_last=1", *a.extra,
+                               *(a.gspo_extra if spec["algo"] == "gspo" else [])])
     print(f"training {path.name} ({spec['steps']} steps) -> {path}", flush=True)
     t0 = time.perf_counter()
     train(cfg, path)
@@ -206,14 +219,15 @@ def write_report(a, runs: dict[str, dict]) -> None:
                  and r["steps"] >= a.main_steps}
     sweep_rows = {(r["algo"], r["k"]): summarise(r["rows"], a.sweep_steps)
                   for r in done.values() if r["seed"] == 0 and r["k"] in a.staleness}
-    (out / "async_staleness.json").write_text(json.dumps({
+    (out / f"{a.name}.json").write_text(json.dumps({
         "recipe": str(RECIPE.relative_to(RECIPE.parents[2])), "model": a.model, "extra": a.extra,
+        "gspo_extra": a.gspo_extra,
         "threads": a.threads,
         "main": {f"gspo-k{k}-s{seed}": v for (seed, k), v in sorted(main_rows.items())},
         "sweep": {f"{algo}-k{k}-s0": v for (algo, k), v in sorted(sweep_rows.items())},
     }, indent=1, default=str))
     table = main_table(a, main_rows) + "\n\n" + sweep_table(a, sweep_rows)
-    (out / "async_staleness_table.md").write_text(table + "\n")
+    (out / f"{a.name}_table.md").write_text(table + "\n")
     print(table, flush=True)
     plot(a, out, done)
 
@@ -283,7 +297,7 @@ def plot(a, out: Path, done: dict) -> None:
     ax2.set_title(f"held-out accuracy at step {a.sweep_steps} (seed 0)")
     ax2.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "async_staleness.png", dpi=100)
+    fig.savefig(out / f"{a.name}.png", dpi=100)
     plt.close(fig)
 
 

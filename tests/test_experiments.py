@@ -146,6 +146,16 @@ def test_async_staleness_trains_its_grid_on_a_tiny_model(tmp_path, experiment):
                      "--staleness", "0", "1", "--runs", str(runs), "--out", str(out)]) == 0
     res = json.loads((out / "async_staleness.json").read_text())
     assert res["main"] == {} and res["sweep"] == {}
+    # --gspo-extra changes the GSPO runs only; --name names the report's files
+    assert mod.main([*SMOLLM2, "--gspo-extra", "algorithm.eps_low=0.01", "--name", "other",
+                     "--main-steps", "1", "--sweep-steps", "1", "--seeds", "0",
+                     "--staleness", "0", "--runs", str(runs), "--out", str(out)]) == 0
+    other = json.loads((out / "other.json").read_text())
+    assert other["gspo_extra"] == ["algorithm.eps_low=0.01"] and set(other["sweep"]) == {
+        "gspo-k0-s0", "grpo-k0-s0"}
+    assert "eps_low: 0.01" in (runs / "gspo-k0-s0" / "config.yaml").read_text()
+    assert "eps_low: 0.01" not in (runs / "grpo-k0-s0" / "config.yaml").read_text()
+    assert (out / "other_table.md").is_file() and (out / "other.png").is_file()
 
 
 @pytest.mark.timeout(90)
