@@ -65,6 +65,7 @@ def test_vs_trl_benchmark_runs(tmp_path):
                for runs in res["runs"].values() for r in runs)
 
 
+@pytest.mark.slow  # out of CI: test_vs_trl_benchmark_runs runs the same comparison
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None,
                     reason="TRL is not installed (pip install -e '.[bench]')")
 def test_vs_trl_on_a_model_directory_takes_the_recipes_task(tmp_path, model_dir):

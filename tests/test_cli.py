@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from gspo.logger import read_metrics
 
 
@@ -100,6 +102,7 @@ def test_a_tiny_model_too_big_for_this_machine_is_refused_before_allocation(tmp_
     assert "GiB available; choose a smaller model" in out.stderr
 
 
+@pytest.mark.slow  # out of CI: test_bad_inputs checks the same refusals in-process
 def test_a_resume_cannot_change_the_model_or_the_algorithm_and_leaves_the_run_as_it_was(
         tmp_path, tiny_overrides):
     run = tmp_path / "run"

@@ -151,6 +151,7 @@ def test_two_process_train_then_resume_on_one(tmp_path):
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3]
 
 
+@pytest.mark.slow  # out of CI: test_dryrun checks the same messages from the same check_launch
 def test_prompts_not_divisible_by_ranks_is_a_clear_error(tmp_path):
     env_args = MODEL + ["rollout.prompts_per_step=3", "rollout.group_size=4",
                         "algorithm.minibatches=1", "train.steps=1"]
