@@ -21,7 +21,7 @@ two things. Runs train in this order (most wanted first):
 4. off-policyness: algorithm.minibatches 8 then 1, GSPO and GRPO;
 5. GSPO's clip range about 3x the paper's (1e-3 / 1.3e-3), then 10x (3e-3 / 4e-3);
 6. minibatches 1 and 8 again, each algorithm at its best lr (seed 0);
-7. seed 1 of GSPO at the 10x clip range.
+7. seed 1 of GSPO at the 10x clip range, then of minibatches 1 at each best lr.
 
 Earlier runs of the same recipe are reused, not trained again (REUSED below: GSPO lr 5e-6 seeds
 0 and 1 with the float32 sampler, seed 0 with the bf16 sampler; GRPO lr 5e-6 seed 0 from
@@ -247,6 +247,10 @@ def plan(a):
             for mb in (1, 8):
                 yield spec(algo, 0, a.steps, lr, minibatches=mb)
     yield spec("gspo", 1, a.steps, eps=(3e-3, 4e-3))  # the wider clip range's second seed
+    for algo in ("gspo", "grpo"):  # seed 1 of the on-policy contrast at the best lrs
+        lr = best_lr(a, algo)
+        if lr is not None:
+            yield spec(algo, 1, a.steps, lr, minibatches=1)
 
 
 def reported(a, model: Path) -> list[dict]:
