@@ -312,7 +312,7 @@ def main(argv=None) -> int:
     p.add_argument("--mismatch-every", type=int, default=5)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--sweep", nargs="*", default=[], help="config overrides, one sweep point "
-                   "each (GSPO and GRPO, first seed)")
+                   "each (the --sweep-variants, first seed)")
     p.add_argument("--sweep-variants", nargs="+", default=["gspo", "grpo"], metavar="VARIANT",
                    choices=list(VARIANTS), help="the variants each sweep point runs")
     p.add_argument("--only", nargs="*", default=[], metavar="VARIANT", choices=list(VARIANTS),

@@ -241,16 +241,13 @@ def plan(a):
     for eps in ((1e-3, 1.3e-3), (3e-3, 4e-3)):
         yield spec("gspo", 0, a.steps, eps=eps)
     # the off-policy axis again, each algorithm at its own best lr (at 5e-6 GSPO is handicapped)
-    for algo in ("gspo", "grpo"):
-        lr = best_lr(a, algo)
-        if lr is not None:
-            for mb in (1, 8):
-                yield spec(algo, 0, a.steps, lr, minibatches=mb)
+    best = {algo: lr for algo in ("gspo", "grpo") if (lr := best_lr(a, algo)) is not None}
+    for algo, lr in best.items():
+        for mb in (1, 8):
+            yield spec(algo, 0, a.steps, lr, minibatches=mb)
     yield spec("gspo", 1, a.steps, eps=(3e-3, 4e-3))  # the wider clip range's second seed
-    for algo in ("gspo", "grpo"):  # seed 1 of the on-policy contrast at the best lrs
-        lr = best_lr(a, algo)
-        if lr is not None:
-            yield spec(algo, 1, a.steps, lr, minibatches=1)
+    for algo, lr in best.items():  # seed 1 of the on-policy contrast at the best lrs
+        yield spec(algo, 1, a.steps, lr, minibatches=1)
 
 
 def reported(a, model: Path) -> list[dict]:

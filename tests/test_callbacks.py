@@ -77,9 +77,9 @@ def test_a_callback_that_is_not_one_is_refused():
 
 def test_a_callback_that_keeps_the_run_does_not_keep_it_alive_after_train(tmp_path,
                                                                          tiny_overrides):
-    """run -> callbacks -> the callback -> run is a cycle; train() collects it, so the model
-    and its process group's state are not left to a later collection (under torchrun, one at
-    interpreter exit can abort the rank)."""
+    """run -> callbacks -> the callback -> run is a cycle; closing the run drops its callbacks,
+    so reference counting frees the model and its process group's state, not a later collection
+    (under torchrun, one at interpreter exit can abort the rank)."""
     from test_async_rollouts import runs_alive
 
     class Keeper(Callback):
