@@ -20,8 +20,8 @@ keeps float32 master weights under bf16 autocast, pi_old taken from the engine
 
 Each seed warms one model up (supervised, shared by the variants so they start from the same
 policy). `--sweep OVERRIDE` adds, per override, one run of each `--sweep-variants` (default: gspo
-and grpo) for the first seed with that override on top (one axis, looking for a setting where
-the paper's effect shows).
+and grpo) for each `--sweep-seeds` (default: the first seed) with that override on top (one
+axis, looking for a setting where the paper's effect shows; more seeds where it did).
 Writes moe_mismatch.{md,json} and mm_*.png; the text after the ANALYSIS marker in an existing
 moe_mismatch.md is written by hand and kept. A run whose rows moe_mismatch.json already holds
 (same settings, the variant's overrides included) is not trained again and stays reported, so
@@ -130,9 +130,10 @@ def settings(args, seeds) -> dict:
 
 
 def earlier_report(args) -> dict:
-    """The last report's runs ({"grid": ..., "sweep": ...}) whose settings are this
-    invocation's: the common ones (seeds and variants aside) or none, then per variant its
-    overrides; a sweep's runs only if they are of the same first seed."""
+    """The last report's runs ({"grid": variant -> seed -> rows, "sweep": override -> variant
+    -> seed -> rows}, seeds as strings) whose settings are this invocation's: the common ones
+    (seeds and variants aside) or none, then per variant its overrides. Reports written before
+    sweeps had seeds hold one run per sweep point, of their first seed."""
     path = args.out / "moe_mismatch.json"
     if not path.is_file():
         return {"grid": {}, "sweep": {}}
@@ -141,20 +142,26 @@ def earlier_report(args) -> dict:
     if not all(then.get(k) == now[k] for k in now if k not in ("seeds", "variants")):
         return {"grid": {}, "sweep": {}}
     same = {n for n, extra in VARIANTS.items() if then["variants"].get(n) == extra}
-    first = then["seeds"][0] if then["seeds"] else None
-    return {"grid": {n: r for n, r in old["grid"].items() if n in same},
-            "sweep": {o: {n: r for n, r in by_var.items() if n in same}
-                      for o, by_var in old["sweep"].items()} if first == args.seeds[0] else {}}
+    first = str(then["seeds"][0]) if then["seeds"] else None
+    sweep = {o: {n: ({first: r} if isinstance(r, list) else r)  # the one-seed format
+                 for n, r in by_var.items() if n in same}
+             for o, by_var in old["sweep"].items()}
+    return {"grid": {n: r for n, r in old["grid"].items() if n in same}, "sweep": sweep}
 
 
 def run_all(args) -> tuple[dict, dict]:
-    """grid: variant -> seed -> metrics rows; sweep: override -> variant -> rows (first seed)."""
+    """grid: variant -> seed -> metrics rows; sweep: override -> variant -> seed -> rows."""
     grid: dict[str, dict[int, list[dict]]] = {v: {} for v in VARIANTS}
-    sweep: dict[str, dict[str, list[dict]]] = {o: {} for o in args.sweep}
+    sweep: dict[str, dict[str, dict[int, list[dict]]]] = {o: {} for o in args.sweep}
     old = earlier_report(args)
+
+    def start_of(seed: int) -> tuple[Path, object]:
+        """The seed's warm-up checkpoint, and what trains it when a run needs it."""
+        return (args.work / f"warm-seed{seed}" / "checkpoints" / "step_000000",
+                lambda: warm_model(seed, args.work / f"warm-seed{seed}", args.warmup))
+
     for seed in args.seeds:  # seed by seed, so a cut-short grid holds whole seeds
-        start = args.work / f"warm-seed{seed}" / "checkpoints" / "step_000000"
-        warm = lambda seed=seed: warm_model(seed, args.work / f"warm-seed{seed}", args.warmup)  # noqa: E731
+        start, warm = start_of(seed)
         for name, extra in VARIANTS.items():
             if args.only and name not in args.only and str(seed) not in old["grid"].get(name, {}):
                 continue
@@ -163,19 +170,20 @@ def run_all(args) -> tuple[dict, dict]:
                           old["grid"].get(name, {}).get(str(seed)), warm)
             if rows is not None:
                 grid[name][seed] = rows
-    seed = args.seeds[0]
-    start = args.work / f"warm-seed{seed}" / "checkpoints" / "step_000000"
-    for o in args.sweep:
-        for name in args.sweep_variants:
-            rows = rl_run(args.work / f"sweep-{o}-{name}-seed{seed}",
-                          rl_overrides(args, start, seed) + VARIANTS[name] + [o], args.steps,
-                          args.page_only, old["sweep"].get(o, {}).get(name),
-                          lambda: warm_model(seed, args.work / f"warm-seed{seed}", args.warmup))
-            if rows is not None:
-                sweep[o][name] = rows
-    for o, by_var in old["sweep"].items():  # sweep points of earlier invocations stay reported
-        for name, rows in by_var.items():
-            sweep.setdefault(o, {}).setdefault(name, rows)
+    for seed in args.sweep_seeds or args.seeds[:1]:
+        start, warm = start_of(seed)
+        for o in args.sweep:
+            for name in args.sweep_variants:
+                rows = rl_run(args.work / f"sweep-{o}-{name}-seed{seed}",
+                              rl_overrides(args, start, seed) + VARIANTS[name] + [o],
+                              args.steps, args.page_only,
+                              old["sweep"].get(o, {}).get(name, {}).get(str(seed)), warm)
+                if rows is not None:
+                    sweep[o].setdefault(name, {})[seed] = rows
+    for o, by_var in old["sweep"].items():  # sweep runs of earlier invocations stay reported
+        for name, by_seed in by_var.items():
+            for seed, rows in by_seed.items():
+                sweep.setdefault(o, {}).setdefault(name, {}).setdefault(int(seed), rows)
     return grid, sweep
 
 
@@ -247,16 +255,25 @@ def gain_table(grid: dict) -> str:
 
 
 def sweep_table(sweep: dict) -> str:
-    lines = ["| override | variant | start acc | final acc | max acc | clip frac | volatility "
-             "| kl/old | mismatch tok | reward last 20 |", "|" + "---|" * 10]
+    """One row per run (override, variant, seed), then, for a point run with several seeds,
+    the mean gain over them."""
+    lines = ["| override | variant | seed | start acc | final acc | max acc | gain | clip frac "
+             "| volatility | kl/old | mismatch tok | reward last 20 |", "|" + "---|" * 12]
     for o, by_var in sweep.items():
-        for name, rows in by_var.items():
-            acc = series(rows, "eval/accuracy")[1]
-            last = statistics.fmean(series(rows, "reward/mean")[1][-20:])
-            lines.append(f"| `{o}` | {name} | {acc[0]:.3f} | {acc[-1]:.3f} | {max(acc):.3f} | "
-                         f"{run_mean(rows, 'clip/frac'):.2e} | "
-                         f"{run_mean(rows, 'moe/volatility'):.2e} | {run_mean(rows, 'kl/old'):.2e}"
-                         f" | {run_mean(rows, 'mismatch/token_abs_mean'):.2e} | {last:.3f} |")
+        for name, by_seed in by_var.items():
+            gains = []
+            for seed, rows in sorted(by_seed.items()):
+                acc = series(rows, "eval/accuracy")[1]
+                gains.append(acc[-1] - acc[0])
+                last = statistics.fmean(series(rows, "reward/mean")[1][-20:])
+                lines.append(
+                    f"| `{o}` | {name} | {seed} | {acc[0]:.3f} | {acc[-1]:.3f} | {max(acc):.3f} "
+                    f"| {gains[-1]:+.3f} | {run_mean(rows, 'clip/frac'):.2e} | "
+                    f"{run_mean(rows, 'moe/volatility'):.2e} | {run_mean(rows, 'kl/old'):.2e}"
+                    f" | {run_mean(rows, 'mismatch/token_abs_mean'):.2e} | {last:.3f} |")
+            if len(gains) > 1:
+                lines.append(f"| `{o}` | {name} | mean of {len(gains)} | | | | "
+                             f"{_ms(gains, '+.3f')} | | | | | |")
     return "\n".join(lines)
 
 
@@ -288,10 +305,10 @@ def write_page(args, argv: list[str], grid: dict, sweep: dict) -> None:
         "\n".join(f"![{t}]({n})" for n, (_, t) in zip(images, PLOTS)),
     ]
     if any(sweep.values()):
-        sweep_imgs = plot({f"{name} {o}": [rows] for o, by_var in sweep.items()
-                           for name, rows in by_var.items()}, args.out, "mm_sweep")
-        text += [f"\n## Sweep (seed {args.seeds[0]}; each variant as in the grid, one override "
-                 f"on top)\n",
+        sweep_imgs = plot({f"{name} {o}": list(by_seed.values()) for o, by_var in sweep.items()
+                           for name, by_seed in by_var.items()}, args.out, "mm_sweep")
+        text += ["\n## Sweep (each variant as in the grid, one override on top; the plots "
+                 "show mean +- std over a point's seeds)\n",
                  sweep_table(sweep), "",
                  "\n".join(f"![sweep: {t}]({n})" for n, (_, t) in zip(sweep_imgs, PLOTS))]
     text += ["", ANALYSIS + kept.rstrip("\n") if kept else ANALYSIS]
@@ -299,7 +316,8 @@ def write_page(args, argv: list[str], grid: dict, sweep: dict) -> None:
     (args.out / "moe_mismatch.json").write_text(json.dumps(
         {"settings": settings(args, seeds),
          "grid": {n: {str(s): rows for s, rows in r.items()} for n, r in grid.items()},
-         "sweep": sweep}))
+         "sweep": {o: {n: {str(s): rows for s, rows in by_seed.items()}
+                       for n, by_seed in by_var.items()} for o, by_var in sweep.items()}}))
 
 
 def main(argv=None) -> int:
@@ -312,7 +330,9 @@ def main(argv=None) -> int:
     p.add_argument("--mismatch-every", type=int, default=5)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--sweep", nargs="*", default=[], help="config overrides, one sweep point "
-                   "each (the --sweep-variants, first seed)")
+                   "each (the --sweep-variants, the --sweep-seeds)")
+    p.add_argument("--sweep-seeds", type=int, nargs="+", default=[], metavar="SEED",
+                   help="the seeds each sweep point runs (default: the first of --seeds)")
     p.add_argument("--sweep-variants", nargs="+", default=["gspo", "grpo"], metavar="VARIANT",
                    choices=list(VARIANTS), help="the variants each sweep point runs")
     p.add_argument("--only", nargs="*", default=[], metavar="VARIANT", choices=list(VARIANTS),

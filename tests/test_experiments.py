@@ -80,17 +80,22 @@ def test_moe_mismatch_trains_a_variant_and_reads_it_back_from_its_report(tmp_pat
     assert json.loads((out / "moe_mismatch.json").read_text())["grid"]["gspo"]["0"] == rows
     text = page.read_text()
     assert "| gspo (n=1) |" in text and text.endswith(f"{mod.ANALYSIS}\nkept by hand\n")
-    # a sweep point trains on top; a later invocation without it keeps its rows
+    # a sweep point trains on top, on its own seeds (seed 1's warm-up trained for it); a later
+    # invocation without it keeps its rows
     assert mod.main(argv + ["--only", "gspo", "--sweep", "optim.lr=1e-3",
-                            "--sweep-variants", "grpo"]) == 0
+                            "--sweep-variants", "grpo", "--sweep-seeds", "0", "1"]) == 0
     sweep = json.loads((out / "moe_mismatch.json").read_text())["sweep"]
     assert list(sweep) == ["optim.lr=1e-3"] and list(sweep["optim.lr=1e-3"]) == ["grpo"]
-    assert rl_steps(sweep["optim.lr=1e-3"]["grpo"]) == [1, 2]
+    assert set(sweep["optim.lr=1e-3"]["grpo"]) == {"0", "1"}
+    assert all(rl_steps(r) == [1, 2] for r in sweep["optim.lr=1e-3"]["grpo"].values())
+    assert (work / "warm-seed1" / "checkpoints" / "step_000000" / "config.json").is_file()
     shutil.rmtree(work)
     assert mod.main(argv + ["--page-only"]) == 0
     res = json.loads((out / "moe_mismatch.json").read_text())
     assert res["sweep"] == sweep and res["grid"]["gspo"]["0"] == rows
-    assert "| `optim.lr=1e-3` | grpo |" in page.read_text()
+    text = page.read_text()
+    assert "| `optim.lr=1e-3` | grpo | 0 |" in text and "| `optim.lr=1e-3` | grpo | 1 |" in text
+    assert "| `optim.lr=1e-3` | grpo | mean of 2 |" in text
 
 
 def test_moe_mismatch_drops_the_rows_of_a_variant_whose_overrides_changed(tmp_path, experiment,
@@ -106,11 +111,13 @@ def test_moe_mismatch_drops_the_rows_of_a_variant_whose_overrides_changed(tmp_pa
                                   seeds=[0])
     monkeypatch.setitem(mod.VARIANTS, "grpo", mod.VARIANTS["grpo"] + ["algorithm.beta=0.1"])
     kept = mod.earlier_report(args)
-    assert set(kept["grid"]) == {"gspo"} and kept["sweep"] == {"optim.lr=1e-3": {"gspo": [
-        {"step": 0}]}}
-    # the sweep ran on seed 0: a first seed of 1 keeps none of it
-    assert mod.earlier_report(mod.argparse.Namespace(**{**vars(args), "seeds": [1, 0]}))[
-        "sweep"] == {}
+    # a report from before sweeps had seeds: its one run per point is its first seed's
+    assert set(kept["grid"]) == {"gspo"} and kept["sweep"] == {"optim.lr=1e-3": {"gspo": {
+        "0": [{"step": 0}]}}}
+    old = json.loads((out / "moe_mismatch.json").read_text())
+    old["settings"]["seeds"] = [1, 0]
+    (out / "moe_mismatch.json").write_text(json.dumps(old))
+    assert mod.earlier_report(args)["sweep"] == {"optim.lr=1e-3": {"gspo": {"1": [{"step": 0}]}}}
 
 
 @pytest.mark.timeout(90)
