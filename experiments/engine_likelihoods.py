@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python experiments/engine_likelihoods.py [--steps 10]
         [--seeds 0] [--variants NAME@key=value,... ...] [--runs DIR] [--out docs/results]
-        [--report-only] [--model NAME_OR_DIR] [--extra KEY=VALUE ...]
+        [--report-only] [--model NAME_OR_DIR] [--extra KEY=VALUE ...] [--name NAME]
 
 The paper's claim under test: GSPO can use the inference engine's likelihoods as pi_old
 directly (its sequence-level ratio tolerates the engine's precision), skipping the recompute.
@@ -12,7 +12,11 @@ evaluations every 5, on one thread; the variants change the sampler's dtype and 
 comes from. A finished run directory is reused. Writes engine_likelihoods.{json,md} (the
 table; the analysis lives in docs/results/paper_claims.md) and engine_likelihoods.png.
 `--model tiny-qwen3` with `--extra` sizes runs the same variants on the built-in tiny model (the
-test suite's smoke run).
+test suite's smoke run). With vLLM as the sampler (run it from .venv-vllm):
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src .venv-vllm/bin/python experiments/engine_likelihoods.py \
+        --name engine_likelihoods_vllm --runs runs/engine-likelihoods-vllm \
+        --extra rollout.engine=vllm
 """
 
 from __future__ import annotations
@@ -52,7 +56,10 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="a gspo.PRETRAINED name, a model directory, or tiny-qwen3 (smoke runs)")
     p.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="further config overrides for every run (e.g. for a quick smoke run)")
+                   help="further config overrides for every run (e.g. for a quick smoke run); "
+                        "give a run dir (--runs) of its own to runs with other --extra")
+    p.add_argument("--name", default="engine_likelihoods",
+                   help="the report's file names: NAME.{json,md,png} in --out")
     return p.parse_args(argv)
 
 
@@ -128,9 +135,9 @@ def write_report(a, argv: list[str], results: dict) -> None:
                      f"{v['reward_last3']:.3f} | {fmt(v['mismatch_token_abs_mean'])} | "
                      f"{fmt(v['mismatch_seq_abs_max'])} | {v['s_per_step']:.1f} |")
     table = "\n".join(lines)
-    (out / "engine_likelihoods.json").write_text(json.dumps(
+    (out / f"{a.name}.json").write_text(json.dumps(
         {f"{vr}|s{sd}": v for (vr, sd), v in sums.items()}, indent=1))
-    (out / "engine_likelihoods.md").write_text(
+    (out / f"{a.name}.md").write_text(
         "# SmolLM2: pi_old from a bf16 sampler\n\nMade by `experiments/engine_likelihoods.py "
         + " ".join(argv) + "`; analysis in `paper_claims.md`.\n\n" + table + "\n")
     print(table)
@@ -141,7 +148,7 @@ def write_report(a, argv: list[str], results: dict) -> None:
     ax.set(xlabel="RL step", title="reward, pi_old from the bf16 sampler")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "engine_likelihoods.png", dpi=100)
+    fig.savefig(out / f"{a.name}.png", dpi=100)
     plt.close(fig)
 
 

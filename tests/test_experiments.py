@@ -178,6 +178,10 @@ def test_engine_likelihoods_trains_each_variant_on_a_tiny_model(tmp_path, experi
     assert f"Made by `experiments/engine_likelihoods.py {' '.join(argv)}`" in page
     assert all(f"| {v} | 0 |" in page for v in mod.VARIANTS)
     assert (out / "engine_likelihoods.png").is_file()
+    # the same finished runs reported under another name (a vLLM run's report sits beside)
+    assert mod.main(argv + ["--report-only", "--name", "other"]) == 0
+    assert json.loads((out / "other.json").read_text()) == res
+    assert (out / "other.md").is_file() and (out / "other.png").is_file()
 
 
 @pytest.mark.timeout(90)
