@@ -2,7 +2,7 @@
 train/inference mismatch: bf16 sampler, bf16-mixed trainer, pi_old from the sampler.
 
     .venv/bin/python experiments/moe_mismatch.py [--steps 200] [--seeds 0 1 2]
-        [--sweep optim.lr=1e-3 ...] [--out docs/results]
+        [--sweep optim.lr=1e-3 ...] [--out docs/results] [--extra KEY=VALUE ...] [--name NAME]
 
 The conditions the paper's MoE claim needs, at a size 2 CPU cores can run: 8 layers of 16
 experts (top-2), a rollout engine holding its own bfloat16 copy of the weights while the trainer
@@ -22,8 +22,16 @@ Each seed warms one model up (supervised, shared by the variants so they start f
 policy). `--sweep OVERRIDE` adds, per override, one run of each `--sweep-variants` (default: gspo
 and grpo) for each `--sweep-seeds` (default: the first seed) with that override on top (one
 axis, looking for a setting where the paper's effect shows; more seeds where it did).
-Writes moe_mismatch.{md,json} and mm_*.png; the text after the ANALYSIS marker in an existing
-moe_mismatch.md is written by hand and kept. A run whose rows moe_mismatch.json already holds
+`--extra` adds overrides to every RL run (not to the warm-ups, which `--warm-work` lets runs with
+other extras share), e.g. vLLM as the sampler (run from .venv-vllm; vLLM's CPU backend cannot
+record routing, so not grpo+r3):
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src .venv-vllm/bin/python experiments/moe_mismatch.py \
+        --extra rollout.engine=vllm --name moe_mismatch_vllm --only gspo grpo grpo+rr \
+        --work runs/moe_mismatch_vllm --warm-work runs/moe_mismatch
+
+Writes NAME.{md,json} (NAME: moe_mismatch) and mm_*.png (NAME_*.png for another NAME); the text
+after the ANALYSIS marker in an existing NAME.md is written by hand and kept. A run whose rows NAME.json already holds
 (same settings, the variant's overrides included) is not trained again and stays reported, so
 the grid can grow by a variant (`--only NAME`) and the sweep by a point (`--sweep OVERRIDE`)
 after the run dirs are gone; a seed's warm-up is trained only when one of its runs must be.
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -114,7 +123,7 @@ def rl_overrides(args, start: Path, seed: int) -> list[str]:
         f"model.name_or_path={start}", f"train.seed={seed}", f"train.steps={args.steps}",
         f"train.eval_every={args.eval_every}", "train.save_every=0", "train.keep_last=1",
         "warmup.steps=0", f"data.n_eval={args.n_eval}",
-        f"algorithm.mismatch_every={args.mismatch_every}"]
+        f"algorithm.mismatch_every={args.mismatch_every}"] + args.extra
 
 
 def check_configs(args) -> None:
@@ -124,9 +133,12 @@ def check_configs(args) -> None:
 
 
 def settings(args, seeds) -> dict:
+    """What a report's runs depend on (`extra` only where given: reports written before it
+    existed stay readable)."""
+    extra = {"extra": args.extra} if args.extra else {}
     return {"model": MODEL, "common": COMMON, "variants": VARIANTS, "steps": args.steps,
             "warmup": args.warmup, "seeds": seeds, "mismatch_every": args.mismatch_every,
-            "n_eval": args.n_eval}
+            "n_eval": args.n_eval, **extra}
 
 
 def earlier_report(args) -> dict:
@@ -134,12 +146,12 @@ def earlier_report(args) -> dict:
     -> seed -> rows}, seeds as strings) whose settings are this invocation's: the common ones
     (seeds and variants aside) or none, then per variant its overrides. Reports written before
     sweeps had seeds hold one run per sweep point, of their first seed."""
-    path = args.out / "moe_mismatch.json"
+    path = args.out / f"{args.name}.json"
     if not path.is_file():
         return {"grid": {}, "sweep": {}}
     old = json.loads(path.read_text())
     now, then = settings(args, []), old["settings"]
-    if not all(then.get(k) == now[k] for k in now if k not in ("seeds", "variants")):
+    if not all(then.get(k) == now.get(k) for k in {**now, **then} if k not in ("seeds", "variants")):
         return {"grid": {}, "sweep": {}}
     same = {n for n, extra in VARIANTS.items() if then["variants"].get(n) == extra}
     first = str(then["seeds"][0]) if then["seeds"] else None
@@ -157,8 +169,9 @@ def run_all(args) -> tuple[dict, dict]:
 
     def start_of(seed: int) -> tuple[Path, object]:
         """The seed's warm-up checkpoint, and what trains it when a run needs it."""
-        return (args.work / f"warm-seed{seed}" / "checkpoints" / "step_000000",
-                lambda: warm_model(seed, args.work / f"warm-seed{seed}", args.warmup))
+        warm = args.warm_work or args.work
+        return (warm / f"warm-seed{seed}" / "checkpoints" / "step_000000",
+                lambda: warm_model(seed, warm / f"warm-seed{seed}", args.warmup))
 
     for seed in args.seeds:  # seed by seed, so a cut-short grid holds whole seeds
         start, warm = start_of(seed)
@@ -278,23 +291,28 @@ def sweep_table(sweep: dict) -> str:
 
 
 def write_page(args, argv: list[str], grid: dict, sweep: dict) -> None:
-    images = plot({n: list(s.values()) for n, s in grid.items()}, args.out, "mm")
-    page = args.out / "moe_mismatch.md"
+    prefix = "mm" if args.name == "moe_mismatch" else args.name
+    images = plot({n: list(s.values()) for n, s in grid.items()}, args.out, prefix)
+    page = args.out / f"{args.name}.md"
     kept = ""
     if page.is_file() and ANALYSIS in page.read_text():
         kept = page.read_text().split(ANALYSIS, 1)[1]
     seeds = sorted({s for by_seed in grid.values() for s in by_seed})
     shown = [a for a in argv if a not in ("--runs-only", "--page-only")]
+    python = os.path.relpath(sys.executable)  # .venv-vllm's for vLLM runs
+    python = sys.executable if python.startswith("..") else python
     text = [
         "# MoE with a train/inference mismatch: GSPO vs GRPO, Routing Replay, R3\n",
-        f"Generated by `OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python "
+        f"Generated by `OMP_NUM_THREADS=1 PYTHONPATH=src {python} "
         f"{' '.join(['experiments/moe_mismatch.py'] + shown)}` (1 CPU thread). The grid and "
         f"the sweep can grow over several invocations (`--only VARIANT`, `--sweep OVERRIDE`): "
-        f"each keeps the finished runs' rows of moe_mismatch.json (same settings), so this "
+        f"each keeps the finished runs' rows of {args.name}.json (same settings), so this "
         f"command rebuilds the page without training. The script writes the tables and plots; "
         f"the analysis is written by hand.\n",
         f"Settings: tiny Qwen3-MoE (`{' '.join(MODEL[1:])}`, hidden 128), `{' '.join(COMMON[2:])}`"
-        f", `algorithm.mismatch_every={args.mismatch_every}`; warm-up {args.warmup} supervised "
+        f", `algorithm.mismatch_every={args.mismatch_every}`"
+        + (f", on every RL run `{' '.join(args.extra)}`" if args.extra else "") +
+        f"; warm-up {args.warmup} supervised "
         f"steps per seed, {args.steps} RL steps, seeds {seeds}, held-out n={args.n_eval} x 4 "
         f"samples every {args.eval_every} steps. Metric columns are means over each run's steps "
         f"(moe/volatility and mismatch/* exist only on the steps that log them), then mean +- "
@@ -306,14 +324,14 @@ def write_page(args, argv: list[str], grid: dict, sweep: dict) -> None:
     ]
     if any(sweep.values()):
         sweep_imgs = plot({f"{name} {o}": list(by_seed.values()) for o, by_var in sweep.items()
-                           for name, by_seed in by_var.items()}, args.out, "mm_sweep")
+                           for name, by_seed in by_var.items()}, args.out, f"{prefix}_sweep")
         text += ["\n## Sweep (each variant as in the grid, one override on top; the plots "
                  "show mean +- std over a point's seeds)\n",
                  sweep_table(sweep), "",
                  "\n".join(f"![sweep: {t}]({n})" for n, (_, t) in zip(sweep_imgs, PLOTS))]
     text += ["", ANALYSIS + kept.rstrip("\n") if kept else ANALYSIS]
     page.write_text("\n".join(text) + "\n")
-    (args.out / "moe_mismatch.json").write_text(json.dumps(
+    (args.out / f"{args.name}.json").write_text(json.dumps(
         {"settings": settings(args, seeds),
          "grid": {n: {str(s): rows for s, rows in r.items()} for n, r in grid.items()},
          "sweep": {o: {n: {str(s): rows for s, rows in by_seed.items()}
@@ -342,6 +360,11 @@ def main(argv=None) -> int:
     p.add_argument("--page-only", action="store_true", help="train nothing: the page from the "
                    "runs that finished (a grid cut short says so in its seed counts)")
     p.add_argument("--work", type=Path, default=Path("runs/moe_mismatch"))
+    p.add_argument("--warm-work", type=Path, default=None, metavar="DIR",
+                   help="where the seeds' warm-ups are (default: --work)")
+    p.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="overrides for every RL run (not the warm-ups), e.g. rollout.engine=vllm")
+    p.add_argument("--name", default="moe_mismatch", help="the report: NAME.{md,json} in --out")
     p.add_argument("--out", type=Path, default=Path("docs/results"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # the machine is shared; one thread, as OMP_NUM_THREADS says

@@ -248,6 +248,8 @@ def plan(a):
     yield spec("gspo", 1, a.steps, eps=(3e-3, 4e-3))  # the wider clip range's second seed
     for algo, lr in best.items():  # seed 1 of the on-policy contrast at the best lrs
         yield spec(algo, 1, a.steps, lr, minibatches=1)
+    for algo, lr in best.items():  # ... and of its 8-minibatch end: seed 1 has the whole axis
+        yield spec(algo, 1, a.steps, lr, minibatches=8)
 
 
 def reported(a, model: Path) -> list[dict]:

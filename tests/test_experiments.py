@@ -96,6 +96,20 @@ def test_moe_mismatch_trains_a_variant_and_reads_it_back_from_its_report(tmp_pat
     text = page.read_text()
     assert "| `optim.lr=1e-3` | grpo | 0 |" in text and "| `optim.lr=1e-3` | grpo | 1 |" in text
     assert "| `optim.lr=1e-3` | grpo | mean of 2 |" in text
+    # other overrides (--extra) on every RL run: a report of their own (--name), from the same
+    # warm-ups (--warm-work); the first report is left as it was
+    before = (out / "moe_mismatch.json").read_text()
+    other = tmp_path / "other"
+    assert mod.main(argv + ["--only", "grpo", "--extra", "algorithm.beta=0.01", "--name", "kl",
+                            "--work", str(other), "--warm-work", str(work)]) == 0
+    assert (work / "warm-seed0" / "checkpoints" / "step_000000" / "config.json").is_file()
+    assert not (other / "warm-seed0").exists()
+    assert "beta: 0.01" in (other / "grpo-seed0" / "config.yaml").read_text()
+    kl = json.loads((out / "kl.json").read_text())
+    assert kl["settings"]["extra"] == ["algorithm.beta=0.01"] and set(kl["grid"]["grpo"]) == {"0"}
+    assert "on every RL run `algorithm.beta=0.01`" in (out / "kl.md").read_text()
+    assert (out / "kl_eval_accuracy.png").is_file()
+    assert (out / "moe_mismatch.json").read_text() == before
 
 
 def test_moe_mismatch_drops_the_rows_of_a_variant_whose_overrides_changed(tmp_path, experiment,
@@ -103,13 +117,17 @@ def test_moe_mismatch_drops_the_rows_of_a_variant_whose_overrides_changed(tmp_pa
     mod = experiment("moe_mismatch")
     out = tmp_path
     old = {"settings": {**mod.settings(mod.argparse.Namespace(
-        steps=2, warmup=2, mismatch_every=5, n_eval=8), [0])}, "grid": {}, "sweep": {}}
+        steps=2, warmup=2, mismatch_every=5, n_eval=8, extra=[]), [0])}, "grid": {},
+        "sweep": {}}
     old["grid"] = {"gspo": {"0": [{"step": 0}]}, "grpo": {"0": [{"step": 0}]}}
     old["sweep"] = {"optim.lr=1e-3": {"gspo": [{"step": 0}], "grpo": [{"step": 0}]}}
     (out / "moe_mismatch.json").write_text(json.dumps(old))
     args = mod.argparse.Namespace(steps=2, warmup=2, mismatch_every=5, n_eval=8, out=out,
-                                  seeds=[0])
+                                  seeds=[0], extra=[], name="moe_mismatch")
     monkeypatch.setitem(mod.VARIANTS, "grpo", mod.VARIANTS["grpo"] + ["algorithm.beta=0.1"])
+    # runs with other --extra overrides are not these runs
+    assert mod.earlier_report(mod.argparse.Namespace(**{**vars(args), "extra": [
+        "rollout.engine=vllm"]})) == {"grid": {}, "sweep": {}}
     kept = mod.earlier_report(args)
     # a report from before sweeps had seeds: its one run per point is its first seed's
     assert set(kept["grid"]) == {"gspo"} and kept["sweep"] == {"optim.lr=1e-3": {"gspo": {
