@@ -75,8 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--until", default=None, metavar="HH:MM",
-                   help="UTC time by which training must end: a run that would not finish by "
-                        "then (at --est-step-s per step, 30 s per eval) is not started")
+                   help="UTC time (its next occurrence) by which training must end: a run "
+                        "that would not finish by then (at --est-step-s per step, 30 s per "
+                        "eval) is not started")
     p.add_argument("--est-step-s", type=float, default=45.0)
     p.add_argument("--runs", default="runs/smollm2-tuned", help="where run dirs go")
     p.add_argument("--out", default=str(RESULTS))
@@ -175,12 +176,21 @@ def run_one(a, model: Path, s: dict) -> None:
             (ckpt / f).unlink(missing_ok=True)
 
 
+def deadline(until: str | None, now: dt.datetime) -> dt.datetime | None:
+    """--until's next occurrence after `now` (at 22:50, 01:00 is tomorrow's), fixed once per
+    invocation so that a deadline passed during the runs stays passed."""
+    if until is None:
+        return None
+    hh, mm = map(int, until.split(":"))
+    at = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
+    return at if at > now else at + dt.timedelta(days=1)
+
+
 def fits(a, s: dict) -> bool:
-    if a.until is None:
+    if a.deadline is None:
         return True
     now = dt.datetime.now(dt.timezone.utc)
-    hh, mm = map(int, a.until.split(":"))
-    until = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
+    until = a.deadline
     evals = 0 if s["probe"] else 1 + s["steps"] // a.eval_every
     need = dt.timedelta(seconds=30 + s["steps"] * a.est_step_s + 30 * evals)
     if now + need <= until:
@@ -403,6 +413,7 @@ def plot(out: Path, done: dict, best: dict) -> None:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    a.deadline = deadline(a.until, dt.datetime.now(dt.timezone.utc))
     torch.set_num_threads(a.threads)
     model = fetch_model(a.model) if a.model in PRETRAINED else a.model
     if not a.report_only:

@@ -217,6 +217,16 @@ def test_smollm2_gspo_vs_grpo_trains_both_on_a_tiny_model(tmp_path, experiment):
 
 
 @pytest.mark.timeout(90)
+def test_smollm2_tuned_until_is_the_next_occurrence_of_its_time(experiment):
+    mod = experiment("smollm2_tuned")
+    utc = mod.dt.timezone.utc
+    at_2250 = mod.dt.datetime(2026, 12, 6, 22, 50, 30, tzinfo=utc)
+    assert mod.deadline("23:30", at_2250) == mod.dt.datetime(2026, 12, 6, 23, 30, tzinfo=utc)
+    assert mod.deadline("01:00", at_2250) == mod.dt.datetime(2026, 12, 7, 1, 0, tzinfo=utc)
+    assert mod.deadline("22:50", at_2250) == mod.dt.datetime(2026, 12, 7, 22, 50, tzinfo=utc)
+    assert mod.deadline(None, at_2250) is None
+
+
 def test_smollm2_tuned_trains_the_lr_sweep_and_a_probe_on_a_tiny_model(tmp_path, experiment):
     mod = experiment("smollm2_tuned")
     out, runs = tmp_path / "out", tmp_path / "runs"
