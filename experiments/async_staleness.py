@@ -2,7 +2,7 @@
 do GSPO and GRPO tolerate staleness alike? SmolLM2-135M-Instruct, 2-digit addition, CPU.
 
     OMP_NUM_THREADS=1 .venv/bin/python experiments/async_staleness.py [--threads 1]
-        [--main-steps 20] [--sweep-steps 10] [--seeds 0 1] [--staleness 0 1 2 4]
+        [--main-steps 20] [--sweep-steps 10] [--seeds 0 1] [--sweep-seeds 0] [--staleness 0 1 2 4]
         [--runs DIR] [--out docs/results] [--only NAME ...] [--report-only]
         [--model NAME_OR_DIR] [--extra KEY=VALUE ...] [--gspo-extra KEY=VALUE ...]
         [--name async_staleness]
@@ -14,10 +14,10 @@ rollout.max_staleness, algorithm.name and train.seed changed:
 
 - main: GSPO synchronous (k = 0) vs k = 1, for --main-steps steps, each seed;
 - sweep: GSPO vs GRPO (each with its paper clip range, both at the recipe's lr) at each k of
-  --staleness, seed 0, for --sweep-steps steps. A sweep point that is also a main run (GSPO,
-  seed 0, k 0 or 1) is read from the main run's first --sweep-steps steps: nothing in a run
-  depends on train.steps (no lr schedule; step m's prompts, sampling seed and weights version
-  do not look ahead), so it is the same run.
+  --staleness, each of --sweep-seeds (default 0), for --sweep-steps steps. A sweep point that
+  is also a main run (GSPO, k 0 or 1, a main seed) is read from the main run's first
+  --sweep-steps steps: nothing in a run depends on train.steps (no lr schedule; step m's
+  prompts, sampling seed and weights version do not look ahead), so it is the same run.
 
 Runs go in the order of RUNS below (most wanted first) and a run whose metrics reach its steps
 is skipped (read from its run dir or, when that is gone, from the rows async_staleness.json
@@ -65,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--main-steps", type=int, default=20)
     p.add_argument("--sweep-steps", type=int, default=10)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds of the main runs")
+    p.add_argument("--sweep-seeds", type=int, nargs="+", default=[0],
+                   help="seeds of the GSPO vs GRPO staleness sweep")
     p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4],
                    help="max_staleness values of the sweep")
     p.add_argument("--eval-every", type=int, default=10)
@@ -93,8 +95,8 @@ def name(algo: str, k: int, seed: int) -> str:
 
 def plan(a) -> dict[str, dict]:
     """name -> {algo, k, seed, steps}, in the order the runs should train (most wanted first):
-    main seed 0 (sync, async), the sweep's k 0 and the largest k, the other ks from the
-    largest down, then the other main seeds."""
+    main seed 0 (sync, async), the first sweep seed's k 0 and the largest k, the other ks from
+    the largest down, then the other main seeds, then the other sweep seeds likewise."""
     runs: dict[str, dict] = {}
 
     def add(algo, k, seed, steps):
@@ -106,12 +108,19 @@ def plan(a) -> dict[str, dict]:
     ks = sorted(a.staleness)
     for k in (0, 1):
         add("gspo", k, seeds[0], a.main_steps)
-    for k in [ks[0], ks[-1], *sorted(ks[1:-1], reverse=True)]:
-        for algo in ("gspo", "grpo"):
-            add(algo, k, 0, a.sweep_steps)
+    sweep_seeds = sorted(a.sweep_seeds, key=lambda s: s != 0)
+
+    def add_sweep(seed):
+        for k in [ks[0], ks[-1], *sorted(ks[1:-1], reverse=True)]:
+            for algo in ("gspo", "grpo"):
+                add(algo, k, seed, a.sweep_steps)
+
+    add_sweep(sweep_seeds[0])
     for seed in seeds[1:]:
         for k in (0, 1):
             add("gspo", k, seed, a.main_steps)
+    for seed in sweep_seeds[1:]:
+        add_sweep(seed)
     return runs
 
 
@@ -217,14 +226,14 @@ def write_report(a, runs: dict[str, dict]) -> None:
                  for key, r in done.items()
                  if r["algo"] == "gspo" and r["k"] in (0, 1) and r["seed"] in a.seeds
                  and r["steps"] >= a.main_steps}
-    sweep_rows = {(r["algo"], r["k"]): summarise(r["rows"], a.sweep_steps)
-                  for r in done.values() if r["seed"] == 0 and r["k"] in a.staleness}
+    sweep_rows = {(r["algo"], r["k"], r["seed"]): summarise(r["rows"], a.sweep_steps)
+                  for r in done.values() if r["seed"] in a.sweep_seeds and r["k"] in a.staleness}
     (out / f"{a.name}.json").write_text(json.dumps({
         "recipe": str(RECIPE.relative_to(RECIPE.parents[2])), "model": a.model, "extra": a.extra,
         "gspo_extra": a.gspo_extra,
         "threads": a.threads,
         "main": {f"gspo-k{k}-s{seed}": v for (seed, k), v in sorted(main_rows.items())},
-        "sweep": {f"{algo}-k{k}-s0": v for (algo, k), v in sorted(sweep_rows.items())},
+        "sweep": {f"{algo}-k{k}-s{seed}": v for (algo, k, seed), v in sorted(sweep_rows.items())},
     }, indent=1, default=str))
     table = main_table(a, main_rows) + "\n\n" + sweep_table(a, sweep_rows)
     (out / f"{a.name}_table.md").write_text(table + "\n")
@@ -265,14 +274,46 @@ def main_table(a, rows: dict) -> str:
 
 
 def sweep_table(a, rows: dict) -> str:
-    head = (f"| algorithm | max_staleness | acc @ 0 | acc @ {a.sweep_steps} | "
+    """One row per sweep run, then per (algorithm, k) run on several seeds their mean held-out
+    accuracy at the last step and the share of the synchronous gain it kept (mean over the
+    seeds that have k = 0)."""
+    head = (f"| algorithm | max_staleness | seed | acc @ 0 | acc @ {a.sweep_steps} | "
             "reward (last 3 steps) | clip frac | staleness (mean) | response tokens | s / step |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for (algo, k), v in sorted(rows.items()):
-        lines.append(f"| {algo} | {k} | {_acc(v, 0)} | {_acc(v, a.sweep_steps)} | "
+    for (algo, k, seed), v in sorted(rows.items()):
+        lines.append(f"| {algo} | {k} | {seed} | {_acc(v, 0)} | {_acc(v, a.sweep_steps)} | "
                      f"{v['reward_last3']:.3f} | {v['clip_frac']:.3f} | "
                      f"{v['staleness_mean']:.2f} | {v['len_mean']:.1f} | {v['s_per_step']:.1f} |")
+    means = sweep_means(a, rows)
+    if any(n > 1 for _, _, n, _ in means.values()):
+        lines += ["", f"| algorithm | max_staleness | seeds | acc @ {a.sweep_steps} (mean) | "
+                      "gain kept vs k = 0 (mean) |", "|---|---|---|---|---|"]
+        for (algo, k), (acc, kept, n, seeds) in sorted(means.items()):
+            lines.append(f"| {algo} | {k} | {n} ({', '.join(map(str, seeds))}) | "
+                         f"{100 * acc:.1f}% | " + ("-" if kept is None else f"{100 * kept:.0f}%")
+                         + " |")
     return "\n".join(lines)
+
+
+def sweep_means(a, rows: dict) -> dict:
+    """(algo, k) -> (mean held-out accuracy at the sweep's last step, mean share of the k = 0
+    run's gain kept (same seed; None without one), seed count, seeds)."""
+    out = {}
+    for algo, k in sorted({(algo, k) for algo, k, _ in rows}):
+        by_seed = {seed: v["evals"][a.sweep_steps] for (al, kk, seed), v in rows.items()
+                   if (al, kk) == (algo, k) and a.sweep_steps in v["evals"]}
+        if not by_seed:
+            continue
+        kept = []
+        for seed, acc in by_seed.items():
+            sync = rows.get((algo, 0, seed))
+            if sync and a.sweep_steps in sync["evals"] and 0 in sync["evals"]:
+                gain = sync["evals"][a.sweep_steps] - sync["evals"][0]
+                if gain > 0:
+                    kept.append((acc - sync["evals"][0]) / gain)
+        out[(algo, k)] = (statistics.mean(by_seed.values()),
+                          statistics.mean(kept) if kept else None, len(by_seed), sorted(by_seed))
+    return out
 
 
 def plot(a, out: Path, done: dict) -> None:
@@ -287,14 +328,18 @@ def plot(a, out: Path, done: dict) -> None:
     ax1.set_title("reward (GSPO, sync vs async)")
     ax1.legend(fontsize=7)
     for i, algo in enumerate(("gspo", "grpo")):
-        pts = sorted((r["k"], r["rows"]) for r in done.values()
-                     if r["algo"] == algo and r["seed"] == 0 and r["k"] in a.staleness)
-        accs = [(k, summarise(rows, a.sweep_steps)["evals"].get(a.sweep_steps)) for k, rows in pts]
-        accs = [(k, v) for k, v in accs if v is not None]
-        if accs:
-            ax2.plot(*zip(*accs), marker="o", color=f"C{i + 2}", label=algo)
+        for seed in sorted(a.sweep_seeds):
+            pts = sorted((r["k"], r["rows"]) for r in done.values()
+                         if r["algo"] == algo and r["seed"] == seed and r["k"] in a.staleness)
+            accs = [(k, summarise(rows, a.sweep_steps)["evals"].get(a.sweep_steps))
+                    for k, rows in pts]
+            accs = [(k, v) for k, v in accs if v is not None]
+            if accs:
+                ax2.plot(*zip(*accs), marker="o", color=f"C{i + 2}",
+                         ls="-" if seed == min(a.sweep_seeds) else "--",
+                         label=f"{algo} seed {seed}")
     ax2.set_xlabel("rollout.max_staleness")
-    ax2.set_title(f"held-out accuracy at step {a.sweep_steps} (seed 0)")
+    ax2.set_title(f"held-out accuracy at step {a.sweep_steps}")
     ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / f"{a.name}.png", dpi=100)

@@ -172,15 +172,34 @@ def test_async_staleness_trains_its_grid_on_a_tiny_model(tmp_path, experiment):
     res = json.loads((out / "async_staleness.json").read_text())
     assert res["main"] == {} and res["sweep"] == {}
     # --gspo-extra changes the GSPO runs only; --name names the report's files
+    # (and --sweep-seeds adds the sweep's seeds)
     assert mod.main([*SMOLLM2, "--gspo-extra", "algorithm.eps_low=0.01", "--name", "other",
                      "--main-steps", "1", "--sweep-steps", "1", "--seeds", "0",
-                     "--staleness", "0", "--runs", str(runs), "--out", str(out)]) == 0
+                     "--sweep-seeds", "0", "1", "--staleness", "0", "--runs", str(runs),
+                     "--out", str(out)]) == 0
     other = json.loads((out / "other.json").read_text())
     assert other["gspo_extra"] == ["algorithm.eps_low=0.01"] and set(other["sweep"]) == {
-        "gspo-k0-s0", "grpo-k0-s0"}
+        f"{algo}-k0-s{seed}" for algo in ("gspo", "grpo") for seed in (0, 1)}
+    table = (out / "other_table.md").read_text()
+    assert "| grpo | 0 | 1 |" in table and "| grpo | 0 | 2 (0, 1) |" in table
     assert "eps_low: 0.01" in (runs / "gspo-k0-s0" / "config.yaml").read_text()
     assert "eps_low: 0.01" not in (runs / "grpo-k0-s0" / "config.yaml").read_text()
     assert (out / "other_table.md").is_file() and (out / "other.png").is_file()
+
+
+def test_async_staleness_sweep_means_keep_the_share_of_each_seeds_synchronous_gain(experiment):
+    mod = experiment("async_staleness")
+    a = mod.argparse.Namespace(sweep_steps=10)
+    run = lambda start, end: {"evals": {0: start, 10: end}}  # noqa: E731
+    rows = {("gspo", 0, 0): run(0.1, 0.5), ("gspo", 1, 0): run(0.1, 0.3),
+            ("gspo", 0, 1): run(0.2, 0.6), ("gspo", 1, 1): run(0.2, 0.5),
+            ("grpo", 1, 0): run(0.1, 0.4)}
+    means = mod.sweep_means(a, rows)
+    acc, kept, n, seeds = means[("gspo", 1)]
+    # seed 0 kept (0.3 - 0.1) / (0.5 - 0.1) = 0.5 of its gain, seed 1 (0.5 - 0.2) / 0.4 = 0.75
+    assert (acc, kept, n, seeds) == (pytest.approx(0.4), pytest.approx(0.625), 2, [0, 1])
+    assert means[("gspo", 0)][1] == pytest.approx(1.0)
+    assert means[("grpo", 1)][1] is None  # no synchronous run of its seed to compare with
 
 
 @pytest.mark.timeout(90)
