@@ -69,6 +69,18 @@ def test_a_pathological_completion_cannot_stall_past_the_timeout():
     slow.close()
 
 
+def test_math_verifys_own_time_limit_is_counted_not_silent():
+    # 9^9^9^9 parses at once, and math-verify's comparison gives up at its own 1 s limit
+    # (timeout 3 s / 3), returning False as for a wrong answer: the helper reports it and lives
+    slow = MathReward(timeout=3.0)
+    assert slow.is_correct("\\boxed{1}", "1") and slow.timeouts == 0
+    pid = slow._helper.proc.pid
+    assert slow("\\boxed{9^{9^{9^{9}}}}", answer="1") == 0.0
+    assert slow.timeouts == 1 and slow._helper.proc.pid == pid
+    assert slow("\\boxed{2}", answer="3") == 0.0 and slow.timeouts == 1  # wrong is not late
+    slow.close()
+
+
 def test_format_weight_rewards_a_boxed_answer(reward, monkeypatch):
     monkeypatch.setattr(reward, "format_weight", 0.1)
     assert reward("\\boxed{42}", answer="42") == pytest.approx(1.1)

@@ -9,7 +9,9 @@ completion math-verify extracts the last `\\boxed{}` answer, else the last plain
 math-verify runs in a helper process (`python -m gspo.rewards.math`), so that a pathological
 completion (a 10^10^10 power, an expression sympy cannot simplify, a regex blow-up in C) costs
 at most `timeout` seconds: past it the helper is killed, restarted on the next call, and the
-completion scores 0. Only the part of a long completion that can hold the answer is sent: from
+completion scores 0. Within it math-verify's own wall-clock limits (a third of `timeout` for each
+of parsing the reference, parsing the answer and comparing them) also score 0; both kinds count
+in `MathReward.timeouts` and log a warning, so a machine too loaded for the budget shows. Only the part of a long completion that can hold the answer is sent: from
 its last `\\boxed` on, or else its last `max_chars` characters.
 
 Score: 1.0 when equivalent, else 0.0; plus `format_weight` when the completion states its answer
@@ -130,6 +132,12 @@ class MathReward:
                 log.warning("math-verify gave no verdict within %.1fs on a %d-character "
                             "completion; scoring 0", self.timeout, len(completion))
                 return False
+        if reply.get("timed_out"):  # math-verify's own limit: the helper lives on
+            self.timeouts += 1
+            log.warning("math-verify ran out of its %d s limit on a %d-character completion "
+                        "(a pathological answer, or a machine too loaded for MathReward's "
+                        "timeout=%.1f); scoring 0", max(1, int(self.timeout // 3)),
+                        len(completion), self.timeout)
         return bool(reply.get("correct"))
 
     def __call__(self, completion: str, answer="", **_) -> float:
@@ -175,22 +183,37 @@ def _serve() -> None:
     def _parse(text: str, seconds: int):
         return parse(text, extraction_config=configs, parsing_timeout=seconds)
 
+    def timed(fn, *args, seconds: int, **kw):
+        """fn's result, and whether it came back empty at its time limit: math-verify's own
+        (signal, wall-clock) timeouts return an empty parse or False, like a wrong answer."""
+        start = time.monotonic()
+        result = fn(*args, **kw)
+        return result, not result and time.monotonic() - start >= 0.95 * seconds
+
     gold_cache = lru_cache(maxsize=4096)(_parse)
+    # the first parse pays math-verify's lazy set-up (~0.1 s of CPU here; on a loaded machine
+    # enough wall-clock to hit the first request's 1 s limit): pay it before the first request
+    verify(_parse("1", 60), _parse("\\boxed{1}", 60), timeout_seconds=60)
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
     for line in sys.stdin:
         req = json.loads(line)
-        # math-verify's own (signal) timeouts end most slow cases gracefully; the parent's
-        # kill is the backstop. Integer seconds: signal.alarm.
+        # math-verify's own (signal) timeouts end most slow cases gracefully, and are reported
+        # (timed_out) so the parent counts them; the parent's kill is the backstop. Integer
+        # seconds: signal.alarm.
         seconds = max(1, int(req["timeout"] // 3))
+        correct = timed_out = False
         try:
-            gold = gold_cache(req["gold"], seconds)
-            pred = _parse(req["pred"], seconds)
-            correct = bool(gold and pred and verify(gold, pred, timeout_seconds=seconds))
+            gold, timed_out = timed(gold_cache, req["gold"], seconds, seconds=seconds)
+            if gold:
+                pred, timed_out = timed(_parse, req["pred"], seconds, seconds=seconds)
+                if pred:
+                    correct, timed_out = timed(verify, gold, pred, timeout_seconds=seconds,
+                                               seconds=seconds)
         except Exception:  # noqa: BLE001 - MemoryError, RecursionError, sympy's own errors
             correct = False
-        out.write(json.dumps({"correct": correct}) + "\n")
+        out.write(json.dumps({"correct": bool(correct), "timed_out": bool(timed_out)}) + "\n")
         out.flush()
 
 
