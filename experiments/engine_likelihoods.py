@@ -138,7 +138,9 @@ def write_report(a, argv: list[str], results: dict) -> None:
     (out / f"{a.name}.json").write_text(json.dumps(
         {f"{vr}|s{sd}": v for (vr, sd), v in sums.items()}, indent=1))
     (out / f"{a.name}.md").write_text(
-        "# SmolLM2: pi_old from a bf16 sampler\n\nMade by `experiments/engine_likelihoods.py "
+        "# SmolLM2: pi_old from a bf16 sampler"
+        + (f" (`{' '.join(a.extra)}`)" if a.extra else "") +
+        "\n\nMade by `experiments/engine_likelihoods.py "
         + " ".join(argv) + "`; analysis in `paper_claims.md`.\n\n" + table + "\n")
     print(table)
     fig, ax = plt.subplots(figsize=(6, 3.5))
