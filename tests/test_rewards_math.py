@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from gspo.rewards.math import MathReward, answer_window, reference_text
+from gspo.data import score
+from gspo.rewards.math import MathReward, MathVerifyTimeout, answer_window, reference_text
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
 
@@ -61,7 +62,8 @@ def test_a_pathological_completion_cannot_stall_past_the_timeout():
     assert slow.is_correct("\\boxed{1}", "1")  # start and warm up the helper, untimed
     slow.timeout = 0.3
     start = time.monotonic()
-    assert slow("\\boxed{9^{9^{9^{9}}}}", answer="1") == 0.0
+    with pytest.raises(MathVerifyTimeout, match="timeout=0.3 s"):
+        slow("\\boxed{9^{9^{9^{9}}}}", answer="1")
     assert time.monotonic() - start < 2.0
     assert slow.timeouts == 1  # the helper was killed...
     slow.timeout = 5.0
@@ -75,9 +77,16 @@ def test_math_verifys_own_time_limit_is_counted_not_silent():
     slow = MathReward(timeout=3.0)
     assert slow.is_correct("\\boxed{1}", "1") and slow.timeouts == 0
     pid = slow._helper.proc.pid
-    assert slow("\\boxed{9^{9^{9^{9}}}}", answer="1") == 0.0
+    with pytest.raises(MathVerifyTimeout):
+        slow("\\boxed{9^{9^{9^{9}}}}", answer="1")
     assert slow.timeouts == 1 and slow._helper.proc.pid == pid
     assert slow("\\boxed{2}", answer="3") == 0.0 and slow.timeouts == 1  # wrong is not late
+    # gspo's scoring counts it as a failed call (reward/failures), scored 0; another accepted
+    # answer that matches wins over a time-out
+    rewards, failures, first = score(slow, ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{4}"],
+                                     [{"answer": "1"}, {"answer": ["9^{9^{9^{9}}}", "4"]}])
+    assert rewards == [0.0, 1.0] and failures == 1 and first.startswith("MathVerifyTimeout")
+    assert not slow.is_correct("\\boxed{9^{9^{9^{9}}}}", "1")  # is_correct: a plain False
     slow.close()
 
 

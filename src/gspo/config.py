@@ -169,7 +169,8 @@ class DataConfig:
                               "answer / a fenced code block)", ge=0, lt=1,
                               why="so that a well-formed wrong answer never counts as solved")
     reward_timeout: float = _f(5.0, "math: seconds math-verify may spend on one completion "
-                               "before it scores 0", gt=0)
+                               "before it scores 0 (a failed call, counted in reward/failures)",
+                               gt=0)
     reward_fn_timeout: float = _f(60.0, "any reward: seconds one call may take before it fails "
                                   "(scored 0 and counted; the call is abandoned); 0 = no limit",
                                   ge=0)

@@ -10,8 +10,10 @@ math-verify runs in a helper process (`python -m gspo.rewards.math`), so that a 
 completion (a 10^10^10 power, an expression sympy cannot simplify, a regex blow-up in C) costs
 at most `timeout` seconds: past it the helper is killed, restarted on the next call, and the
 completion scores 0. Within it math-verify's own wall-clock limits (a third of `timeout` for each
-of parsing the reference, parsing the answer and comparing them) also score 0; both kinds count
-in `MathReward.timeouts` and log a warning, so a machine too loaded for the budget shows. Only the part of a long completion that can hold the answer is sent: from
+of parsing the reference, parsing the answer and comparing them) end a check too. Both kinds
+count in `MathReward.timeouts`, and the call raises MathVerifyTimeout, which gspo's scoring
+counts in reward/failures (with a warning) and scores 0: a machine too loaded for the budget
+shows in the metrics instead of as wrong answers. Only the part of a long completion that can hold the answer is sent: from
 its last `\\boxed` on, or else its last `max_chars` characters.
 
 Score: 1.0 when equivalent, else 0.0; plus `format_weight` when the completion states its answer
@@ -106,8 +108,16 @@ class _Helper:
             f.close()
 
 
+class MathVerifyTimeout(TimeoutError):
+    """math-verify gave no verdict in time: gspo's scoring counts it as a failed reward call
+    (reward/failures) and scores 0."""
+
+
 class MathReward:
-    """`f(completion, answer, **_) -> float`; see the module docstring. Thread-safe."""
+    """`f(completion, answer, **_) -> float`; see the module docstring. Thread-safe. A call
+    whose every answer check ran out of time (and none matched) raises MathVerifyTimeout, which
+    gspo's scoring (gspo.data.score) counts in reward/failures and scores 0; `is_correct` says
+    False instead."""
 
     def __init__(self, timeout: float = 5.0, format_weight: float = 0.0, max_chars: int = 4096):
         self.timeout, self.format_weight, self.max_chars = timeout, format_weight, max_chars
@@ -117,6 +127,10 @@ class MathReward:
         self.__name__ = "math_reward"
 
     def is_correct(self, completion: str, answer) -> bool:
+        return bool(self._verdict(completion, answer))
+
+    def _verdict(self, completion: str, answer) -> bool | None:
+        """True / False, or None when math-verify ran out of time (counted in `timeouts`)."""
         if not isinstance(completion, str) or not completion.strip():
             return False
         request = {"pred": answer_window(completion, self.max_chars),
@@ -129,21 +143,27 @@ class MathReward:
                 self._helper.close()
                 self._helper = None
                 self.timeouts += 1
-                log.warning("math-verify gave no verdict within %.1fs on a %d-character "
-                            "completion; scoring 0", self.timeout, len(completion))
-                return False
+                return None
         if reply.get("timed_out"):  # math-verify's own limit: the helper lives on
             self.timeouts += 1
-            log.warning("math-verify ran out of its %d s limit on a %d-character completion "
-                        "(a pathological answer, or a machine too loaded for MathReward's "
-                        "timeout=%.1f); scoring 0", max(1, int(self.timeout // 3)),
-                        len(completion), self.timeout)
+            return None
         return bool(reply.get("correct"))
 
     def __call__(self, completion: str, answer="", **_) -> float:
         # a list of answers (datasets with several accepted forms): correct if any one matches
         answers = answer if isinstance(answer, (list, tuple)) else [answer]
-        score = float(any(self.is_correct(completion, a) for a in answers))
+        verdicts = []
+        for a in answers:
+            verdicts.append(self._verdict(completion, a))
+            if verdicts[-1]:
+                break
+        if not any(verdicts) and None in verdicts:
+            raise MathVerifyTimeout(
+                f"math-verify gave no verdict within MathReward's timeout={self.timeout:g} s "
+                f"(its own limit: {max(1, int(self.timeout // 3))} s per stage) on a "
+                f"{len(completion)}-character completion: a pathological answer, or a machine "
+                f"too loaded for the budget (raise data.reward_timeout)")
+        score = float(any(verdicts))
         if self.format_weight:
             score += self.format_weight * has_boxed_answer(completion)
         return score
