@@ -31,8 +31,9 @@ record routing, so not grpo+r3):
         --work runs/moe_mismatch_vllm --warm-work runs/moe_mismatch
 
 Writes NAME.{md,json} (NAME: moe_mismatch) and mm_*.png (NAME_*.png for another NAME); the text
-after the ANALYSIS marker in an existing NAME.md is written by hand and kept. A run whose rows NAME.json already holds
-(same settings, the variant's overrides included) is not trained again and stays reported, so
+after the ANALYSIS marker in an existing NAME.md is written by hand and kept. A run whose rows
+NAME.json already holds (same settings, the variant's overrides included) is not trained again
+and stays reported, so
 the grid can grow by a variant (`--only NAME`) and the sweep by a point (`--sweep OVERRIDE`)
 after the run dirs are gone; a seed's warm-up is trained only when one of its runs must be.
 """
@@ -151,7 +152,7 @@ def earlier_report(args) -> dict:
         return {"grid": {}, "sweep": {}}
     old = json.loads(path.read_text())
     now, then = settings(args, []), old["settings"]
-    if not all(then.get(k) == now.get(k) for k in {**now, **then} if k not in ("seeds", "variants")):
+    if any(then.get(k) != now.get(k) for k in {**now, **then} if k not in ("seeds", "variants")):
         return {"grid": {}, "sweep": {}}
     same = {n for n, extra in VARIANTS.items() if then["variants"].get(n) == extra}
     first = str(then["seeds"][0]) if then["seeds"] else None

@@ -190,10 +190,9 @@ def fits(a, s: dict) -> bool:
     if a.deadline is None:
         return True
     now = dt.datetime.now(dt.timezone.utc)
-    until = a.deadline
     evals = 0 if s["probe"] else 1 + s["steps"] // a.eval_every
     need = dt.timedelta(seconds=30 + s["steps"] * a.est_step_s + 30 * evals)
-    if now + need <= until:
+    if now + need <= a.deadline:
         return True
     print(f"{now:%H:%M} not started, would end after {a.until}: {s['name']}", flush=True)
     return False

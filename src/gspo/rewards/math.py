@@ -13,8 +13,8 @@ completion scores 0. Within it math-verify's own wall-clock limits (a third of `
 of parsing the reference, parsing the answer and comparing them) end a check too. Both kinds
 count in `MathReward.timeouts`, and the call raises MathVerifyTimeout, which gspo's scoring
 counts in reward/failures (with a warning) and scores 0: a machine too loaded for the budget
-shows in the metrics instead of as wrong answers. Only the part of a long completion that can hold the answer is sent: from
-its last `\\boxed` on, or else its last `max_chars` characters.
+shows in the metrics instead of as wrong answers. Only the part of a long completion that can
+hold the answer is sent: from its last `\\boxed` on, or else its last `max_chars` characters.
 
 Score: 1.0 when equivalent, else 0.0; plus `format_weight` when the completion states its answer
 in `\\boxed{...}`.
@@ -108,6 +108,12 @@ class _Helper:
             f.close()
 
 
+def stage_seconds(timeout: float) -> int:
+    """math-verify's own limit on each of its three stages (parse the reference, parse the
+    answer, compare) within a `timeout`-second check: integer seconds (signal.alarm)."""
+    return max(1, int(timeout // 3))
+
+
 class MathVerifyTimeout(TimeoutError):
     """math-verify gave no verdict in time: gspo's scoring counts it as a failed reward call
     (reward/failures) and scores 0."""
@@ -160,7 +166,7 @@ class MathReward:
         if not any(verdicts) and None in verdicts:
             raise MathVerifyTimeout(
                 f"math-verify gave no verdict within MathReward's timeout={self.timeout:g} s "
-                f"(its own limit: {max(1, int(self.timeout // 3))} s per stage) on a "
+                f"(its own limit: {stage_seconds(self.timeout)} s per stage) on a "
                 f"{len(completion)}-character completion: a pathological answer, or a machine "
                 f"too loaded for the budget (raise data.reward_timeout)")
         score = float(any(verdicts))
@@ -220,9 +226,8 @@ def _serve() -> None:
     for line in sys.stdin:
         req = json.loads(line)
         # math-verify's own (signal) timeouts end most slow cases gracefully, and are reported
-        # (timed_out) so the parent counts them; the parent's kill is the backstop. Integer
-        # seconds: signal.alarm.
-        seconds = max(1, int(req["timeout"] // 3))
+        # (timed_out) so the parent counts them; the parent's kill is the backstop
+        seconds = stage_seconds(req["timeout"])
         correct = timed_out = False
         try:
             gold, timed_out = timed(gold_cache, req["gold"], seconds, seconds=seconds)
