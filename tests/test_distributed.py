@@ -57,17 +57,40 @@ def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.Completed
     return out
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
-@pytest.mark.parametrize("aggregation", [["algorithm=gspo"],
-                                         ["algorithm=grpo", "algorithm.aggregation=token-mean"]])
-def test_two_ranks_give_the_single_process_update(tmp_path, aggregation, mode):
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """one_process(*args): the worker's result on one process for those args, run once per
+    module: several tests (and both modes of each) compare two ranks against the same
+    single-process reference, and each launch costs seconds of start-up"""
+    root, done = tmp_path_factory.mktemp("one_process"), {}
+
+    def result(*args: str) -> dict:
+        if args not in done:
+            out = root / f"{len(done)}.pt"
+            torchrun(1, str(WORKER), str(out), *args)
+            done[args] = out
+        return torch.load(done[args])
+    return result
+
+
+GSPO = ["algorithm=gspo"]
+GRPO_TOKEN_MEAN = ["algorithm=grpo", "algorithm.aggregation=token-mean"]
+
+
+# each aggregation once and each mode once in CI; the other two pairs add no code path
+@pytest.mark.parametrize("aggregation, mode", [
+    pytest.param(GSPO, "fsdp", id="gspo-fsdp"),
+    pytest.param(GRPO_TOKEN_MEAN, "ddp", id="grpo-token-mean-ddp"),
+    pytest.param(GSPO, "ddp", id="gspo-ddp", marks=pytest.mark.slow),
+    pytest.param(GRPO_TOKEN_MEAN, "fsdp", id="grpo-token-mean-fsdp", marks=pytest.mark.slow)])
+def test_two_ranks_give_the_single_process_update(tmp_path, one_process, aggregation, mode):
     # 16 sequences, one optimiser step; 2 ranks x 4 micro-batches of 2 vs 1 process x 1 batch
     common = MODEL + aggregation + ["rollout.prompts_per_step=4", "rollout.group_size=4",
                                     "algorithm.minibatches=1"]
-    torchrun(1, str(WORKER), str(tmp_path / "one.pt"), *common)
+    one = one_process(*common)
     torchrun(2, str(WORKER), str(tmp_path / "two.pt"), *common, "algorithm.micro_batch_size=2",
              f"train.data_parallel={mode}")
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    two = torch.load(tmp_path / "two.pt")
     assert two["sharded"] == (mode == "fsdp") and not one["sharded"]
     for k, v in one["params"].items():
         torch.testing.assert_close(two["params"][k], v, rtol=0, atol=1e-5, msg=k)
@@ -80,7 +103,7 @@ def test_two_ranks_give_the_single_process_update(tmp_path, aggregation, mode):
 
 
 def test_two_ranks_packing_different_numbers_of_micro_batches_give_the_single_process_update(
-        tmp_path):
+        tmp_path, one_process):
     # train.max_tokens_per_micro=18 over the worker's batch (prompt width 5; rank 0's responses
     # shorter than rank 1's) packs 4 micro-batches on rank 0 and 6 on rank 1. DDP runs them as
     # they are: one synchronised backward per rank per minibatch, whatever the count. FSDP2
@@ -93,8 +116,7 @@ def test_two_ranks_packing_different_numbers_of_micro_batches_give_the_single_pr
     assert [len(pack_by_tokens(lengths[k * 8:(k + 1) * 8], 5, 18, 4)[0]) for k in (0, 1)] == [4, 6]
     common = MODEL + ["algorithm=gspo", "rollout.prompts_per_step=4", "rollout.group_size=4",
                       "algorithm.minibatches=1"]
-    torchrun(1, str(WORKER), str(tmp_path / "one.pt"), *common)
-    one = torch.load(tmp_path / "one.pt")
+    one = one_process(*common)
     for mode in ("ddp", "fsdp"):
         torchrun(2, str(WORKER), str(tmp_path / f"{mode}.pt"), *common,
                  "train.max_tokens_per_micro=18", f"train.data_parallel={mode}")
@@ -110,19 +132,17 @@ def test_two_ranks_packing_different_numbers_of_micro_batches_give_the_single_pr
 
 @pytest.mark.parametrize("mode,precision", [("fsdp", "bf16-mixed"), ("ddp", "bf16-mixed"),
                                             ("fsdp", "fp16-mixed")])
-def test_mixed_precision_on_two_ranks_gives_the_single_process_gradient(tmp_path, mode,
-                                                                        precision):
+def test_mixed_precision_on_two_ranks_gives_the_single_process_gradient(tmp_path, one_process,
+                                                                        mode, precision):
     # DDP autocasts each rank's forward as one process does; FSDP2 gathers bf16 / fp16
     # parameters (MixedPrecisionPolicy) and reduce-scatters float32 gradients into float32
     # shards; fp16's loss scaler unscales the sharded gradients
     common = MODEL + ["algorithm=gspo", "rollout.prompts_per_step=4", "rollout.group_size=4",
                       "algorithm.minibatches=1", f"train.precision={precision}"]
-    torchrun(1, str(WORKER), str(tmp_path / "one.pt"), *common)
+    one, fp32 = one_process(*common), one_process(*common[:-1])
     torchrun(2, str(WORKER), str(tmp_path / "two.pt"), *common, "algorithm.micro_batch_size=2",
              f"train.data_parallel={mode}")
-    ref32 = tmp_path / "fp32.pt"
-    torchrun(1, str(WORKER), str(ref32), *common[:-1])
-    one, two, fp32 = (torch.load(tmp_path / f) for f in ("one.pt", "two.pt", "fp32.pt"))
+    two = torch.load(tmp_path / "two.pt")
     assert all(v.dtype == torch.float32 for v in two["params"].values())  # master weights
     flat = lambda d: torch.cat([d[k].flatten().double() for k in sorted(d)])  # noqa: E731
     g1, g2, g32 = flat(one["grads"]), flat(two["grads"]), flat(fp32["grads"])
@@ -316,29 +336,29 @@ def test_a_device_this_machine_lacks_is_a_clear_error(spec, message):
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
-def test_ranks_start_from_rank_0s_weights(tmp_path, mode):
+def test_ranks_start_from_rank_0s_weights(tmp_path, one_process, mode):
     # a run whose ranks built different models (another seed per rank) still trains one model:
     # rank 0's weights are broadcast before sharding, so the 2-rank update equals the 1-process one
     common = MODEL + ["algorithm=gspo", "rollout.prompts_per_step=4", "rollout.group_size=4",
                       "algorithm.minibatches=1", "warmup.steps=0"]
-    torchrun(1, str(WORKER), str(tmp_path / "one.pt"), *common)
+    one = one_process(*common)
     torchrun(2, str(WORKER), str(tmp_path / "two.pt"), *common, f"train.data_parallel={mode}",
              "seed_per_rank=1")
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    two = torch.load(tmp_path / "two.pt")
     for k, v in one["params"].items():
         torch.testing.assert_close(two["params"][k], v, rtol=0, atol=1e-5, msg=k)
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
-def test_two_ranks_share_the_warm_up_and_give_the_single_process_result(tmp_path, mode):
+def test_two_ranks_share_the_warm_up_and_give_the_single_process_result(tmp_path, one_process, mode):
     # each rank scores half of every warm-up batch; global token counts make the gradient the
     # whole batch's (answers differ in length, so a mean of per-rank means would not be)
     common = MODEL + ["warmup.steps=3", "warmup.batch_size=6", "rollout.prompts_per_step=2",
                       "rollout.group_size=2", "algorithm.minibatches=1", "warmup_only=1",
                       "algorithm.beta=0.1"]
-    torchrun(1, str(WORKER), str(tmp_path / "one.pt"), *common)
+    one = one_process(*common)
     torchrun(2, str(WORKER), str(tmp_path / "two.pt"), *common, f"train.data_parallel={mode}")
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    two = torch.load(tmp_path / "two.pt")
     # the engine's copy (FSDP: its own) and pi_ref hold the warmed-up weights, not the initial
     assert one["copy_diffs"] == two["copy_diffs"] == {"engine": 0.0, "ref": 0.0}
     for k, g in one["grads"].items():  # the last warm-up step's gradient

@@ -89,8 +89,10 @@ def test_moe_mismatch_trains_a_variant_and_reads_it_back_from_its_report(tmp_pat
     assert set(sweep["optim.lr=1e-3"]["grpo"]) == {"0", "1"}
     assert all(rl_steps(r) == [1, 2] for r in sweep["optim.lr=1e-3"]["grpo"].values())
     assert (work / "warm-seed1" / "checkpoints" / "step_000000" / "config.json").is_file()
-    shutil.rmtree(work)
+    work.rename(tmp_path / "kept")  # gone for --page-only; its warm-ups serve --warm-work below
     assert mod.main(argv + ["--page-only"]) == 0
+    assert not work.exists()
+    (tmp_path / "kept").rename(work)
     res = json.loads((out / "moe_mismatch.json").read_text())
     assert res["sweep"] == sweep and res["grid"]["gspo"]["0"] == rows
     text = page.read_text()

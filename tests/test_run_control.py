@@ -71,18 +71,37 @@ def test_a_signal_checkpoints_the_last_step_and_says_how_to_resume(tmp_path, sig
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, done + 2))
 
 
+# a run whose second update takes a minute: a callback marks its start and sleeps in it
+SLOW_UPDATE = """
+import pathlib, sys, time
+import gspo
+class SlowUpdate(gspo.Callback):
+    def on_phase_begin(self, run, step, phase):
+        if step == 1 and phase == "update":
+            pathlib.Path(sys.argv[2]).touch()
+            time.sleep(60)
+gspo.train(gspo.load_config(None, sys.argv[3:]), sys.argv[1], callbacks=[SlowUpdate()])
+"""
+
+
 def test_a_second_signal_exits_at_once(tmp_path):
-    run_dir = tmp_path / "run"
-    # a slow step (long responses): the first signal alone would wait for it to finish
-    proc = start(run_dir, "train.steps=100000", "rollout.max_new_tokens=64",
-                 "rollout.prompts_per_step=64")
-    wait_for(lambda: steps_logged(run_dir) >= 1, proc=proc)
+    # the first signal lands in an update, which it waits for (a minute here); the second one
+    # must not wait. Signalling inside the update is what makes this deterministic: a signal
+    # between steps (or in a rollout, which is abandoned) would stop the run at once anyway
+    marker = tmp_path / "in_update"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_UPDATE, str(tmp_path / "run"),
+                             str(marker), *TINY, "train.steps=3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    wait_for(marker.exists, proc=proc)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.3)
+    time.sleep(0.5)  # the handler runs (it interrupts the sleep, which then goes on)
+    assert proc.poll() is None, "the first signal alone ended the run"
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     rc, err = finish(proc, timeout=30)
-    assert rc == -signal.SIGINT and time.monotonic() - t0 < 10
+    assert rc == -signal.SIGINT and time.monotonic() - t0 < 10, (rc, err[-2000:])
+    assert "SIGINT received: stopping after the step under way" in err
     assert "Traceback" not in err
 
 
