@@ -21,7 +21,8 @@ two things. Runs train in this order (most wanted first):
 4. off-policyness: algorithm.minibatches 8 then 1, GSPO and GRPO;
 5. GSPO's clip range about 3x the paper's (1e-3 / 1.3e-3), then 10x (3e-3 / 4e-3);
 6. minibatches 1 and 8 again, each algorithm at its best lr (seed 0);
-7. seed 1 of GSPO at the 10x clip range, then of minibatches 1 at each best lr.
+7. seed 1 of GSPO at the 10x clip range, then of minibatches 1 and 8 at each best lr;
+8. seed 1 of minibatches 1 and 8 at lr 5e-6.
 
 Earlier runs of the same recipe are reused, not trained again (REUSED below: GSPO lr 5e-6 seeds
 0 and 1 with the float32 sampler, seed 0 with the bf16 sampler; GRPO lr 5e-6 seed 0 from
@@ -259,6 +260,9 @@ def plan(a):
         yield spec(algo, 1, a.steps, lr, minibatches=1)
     for algo, lr in best.items():  # ... and of its 8-minibatch end: seed 1 has the whole axis
         yield spec(algo, 1, a.steps, lr, minibatches=8)
+    for mb in (1, 8):  # seed 1 of the off-policy axis at lr 5e-6 (GSPO handicapped there)
+        for algo in ("gspo", "grpo"):
+            yield spec(algo, 1, a.steps, minibatches=mb)
 
 
 def reported(a, model: Path) -> list[dict]:

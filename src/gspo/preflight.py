@@ -102,8 +102,8 @@ mismatch, and at 3e-2 (75-100x) it learned best (docs/results/engine_likelihoods
 
 # what float16 cost on the CPU gspo was measured on (docs/results/smollm2_tuned.md)
 FP16_CPU_MEASURED = {
-    "train": "on a 2-core AMD EPYC with AVX512-BF16, one fp16-mixed SmolLM2 step did not finish "
-             "in 13 min, against ~1 min in bf16-mixed",
+    "train": "on a 2-core AMD EPYC with AVX512-BF16, one fp16-mixed SmolLM2 step took 17 min, "
+             "its update 15x bf16-mixed's",
     "rollout": "on a 2-core AMD EPYC with AVX512-BF16, a float16 sampler ran 3-4.5x slower per "
                "token than a float32 one",
 }
