@@ -5,6 +5,7 @@ and keys as the real model, tiny sizes)."""
 import importlib.util
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -323,6 +324,38 @@ def test_float16_on_the_cpu_is_warned(overrides, settings):
              "rollout.dtype=float16": "use rollout.dtype=bfloat16 or float32"}
     assert [w.split(" on the CPU")[0] for w in warned] == [f"warning: {s}" for s in settings]
     assert all(w.endswith(fixes[s]) and "2-core AMD EPYC" in w for w, s in zip(warned, settings))
+
+
+@pytest.mark.parametrize("overrides, settings", [
+    (["train.precision=bf16-mixed"], "train.precision=bf16-mixed and rollout.dtype=auto (bfloat16)"),
+    (["train.precision=bf16-mixed", "rollout.dtype=float32"], "train.precision=bf16-mixed"),
+    (["train.precision=bf16-true", "rollout.dtype=float32"], "train.precision=bf16-true"),
+    (["rollout.dtype=bfloat16"], "rollout.dtype=bfloat16"),
+    ([], None),  # float32 throughout
+    (["train.precision=bf16-mixed", "train.device=cuda"], None),  # a GPU has bf16
+])
+@pytest.mark.parametrize("has_bf16", [False, True])
+def test_bfloat16_on_a_cpu_without_bf16_instructions_is_warned(monkeypatch, overrides, settings,
+                                                               has_bf16):
+    import gspo.preflight
+    monkeypatch.setattr(gspo.preflight, "cpu_has_bf16", lambda: has_bf16)
+    out = io.StringIO()
+    dry_run(load_config(overrides=["train.device=cpu", *overrides]), out=out)
+    warned = [x for x in out.getvalue().splitlines() if "without bf16 instructions" in x]
+    if settings is None or has_bf16:
+        assert warned == []
+    else:
+        assert len(warned) == 1 and warned[0].startswith(f"warning: {settings} on a CPU without")
+        assert warned[0].endswith("use train.precision=fp32 rollout.dtype=float32 on this machine")
+
+
+def test_the_bf16_check_agrees_with_the_cpus_own_flags():
+    flags = Path("/proc/cpuinfo")
+    if not flags.is_file() or "flags" not in flags.read_text():
+        pytest.skip("no x86 /proc/cpuinfo flags to compare with")
+    from gspo.preflight import cpu_has_bf16
+    have = set(re.search(r"^flags\s*:(.*)$", flags.read_text(), re.M).group(1).split())
+    assert cpu_has_bf16() == bool(have & {"avx512_bf16", "amx_bf16"})
 
 
 def test_the_report_gives_the_worst_case_rollouts_of_filter_groups():

@@ -181,7 +181,8 @@ def test_bf16_true_warns_once_when_its_updates_vanish(tmp_path, caplog):
         close_run(prepare(load_config(overrides=tiny + STEP + ["optim.lr=1e-6",
                                                               "train.precision=bf16-mixed"]),
                           tmp_path / "b", False))
-    warnings = [r for r in caplog.records if "bf16-true" in r.getMessage()]
+    warnings = [r for r in caplog.records
+                if r.name == "gspo.precision" and "bf16-true" in r.getMessage()]
     assert len(warnings) == 1 and "bf16-mixed" in warnings[0].getMessage()
 
 

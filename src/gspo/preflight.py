@@ -16,6 +16,7 @@ fail, for both to say.
 from __future__ import annotations
 
 import logging
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -100,13 +101,30 @@ with pi_old from a bf16 sampler needs its clip range beyond the engine's ~1e-2 s
 mismatch, and at 3e-2 (75-100x) it learned best (docs/results/engine_likelihoods.md)"""
 
 
-# what float16 cost on the CPU gspo was measured on (docs/results/smollm2_tuned.md)
+# what float16 cost on the CPUs gspo was measured on (docs/results/smollm2_tuned.md)
 FP16_CPU_MEASURED = {
-    "train": "on a 2-core AMD EPYC with AVX512-BF16, one fp16-mixed SmolLM2 step took 17 min, "
-             "its update 15x bf16-mixed's",
+    "train": "one fp16-mixed SmolLM2 step did not finish in 13 min on a 2-core AMD EPYC with "
+             "AVX512-BF16 and took 17 min on one with AVX2 only, against ~1 min in bf16-mixed "
+             "with AVX512-BF16",
     "rollout": "on a 2-core AMD EPYC with AVX512-BF16, a float16 sampler ran 3-4.5x slower per "
                "token than a float32 one",
 }
+# and bfloat16 where the CPU has no bf16 instructions (benchmarks/README.md, 2026-12-07)
+BF16_SLOW_CPU_MEASURED = ("on a 2-core AMD EPYC with AVX2 only, torch 2.13 ran a bf16 GEMM at "
+                          "1 GFLOP/s against 94 in float32, a tiny model's bf16-mixed RL step "
+                          "7.8x slower than fp32, and one SmolLM2 step took over 20 min")
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bf16 matmul instructions: on x86 AVX512-BF16 or AMX (oneDNN's bf16
+    path on plain AVX512 emulates them), elsewhere what torch's oneDNN says (an ARM CPU with
+    bf16); True when torch cannot tell."""
+    try:
+        if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+            return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True
 
 
 def setting_warnings(cfg: Config, on_cpu: bool = False) -> list[str]:
@@ -117,7 +135,8 @@ def setting_warnings(cfg: Config, on_cpu: bool = False) -> list[str]:
     carries no gradient). A token-sum aggregation of a sequence ratio (ROLL#165) cannot be
     configured: a sequence objective takes its one aggregation (gspo.objectives.LossSpec).
     float16 where the run computes on the CPU (`on_cpu`): most CPUs have no fast float16 matmul
-    (FP16_CPU_MEASURED says what it cost here)."""
+    (FP16_CPU_MEASURED says what it cost here); bfloat16 there when the CPU has no bf16
+    instructions (cpu_has_bf16): tens of times slower than float32."""
     from gspo.objectives import OBJECTIVES
 
     a, spec, out = cfg.algorithm, OBJECTIVES[cfg.algorithm.name], []
@@ -139,6 +158,16 @@ def setting_warnings(cfg: Config, on_cpu: bool = False) -> list[str]:
     if on_cpu and cfg.rollout.dtype == "float16":
         out.append(f"rollout.dtype=float16 on the CPU: most CPUs have no fast float16 matmul "
                    f"({FP16_CPU_MEASURED['rollout']}); use rollout.dtype=bfloat16 or float32")
+    bf16 = []  # the settings that compute in bfloat16 (vLLM's CPU kernels are its own)
+    if cfg.train.precision in ("bf16-mixed", "bf16-true"):
+        bf16.append(f"train.precision={cfg.train.precision}")
+    if cfg.rollout.engine == "hf" and precision.rollout_dtype(cfg) == "bfloat16":
+        auto = " (bfloat16)" if cfg.rollout.dtype == "auto" else ""
+        bf16.append(f"rollout.dtype={cfg.rollout.dtype}{auto}")
+    if on_cpu and bf16 and not cpu_has_bf16():
+        out.append(f"{' and '.join(bf16)} on a CPU without bf16 instructions (x86: AVX512-BF16 "
+                   f"or AMX): its bf16 matmuls are emulated ({BF16_SLOW_CPU_MEASURED}); use "
+                   f"train.precision=fp32 rollout.dtype=float32 on this machine")
     return out
 
 
