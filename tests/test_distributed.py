@@ -186,9 +186,13 @@ def test_prompts_not_divisible_by_ranks_is_a_clear_error(tmp_path):
 
 def test_a_rank_that_stops_answering_fails_the_run_within_the_timeout(tmp_path):
     # rank 1 stalls inside its reward function; rank 0 waits in the next collective, gives up
-    # after train.dist_timeout_s with one line naming it, and torchrun then stops rank 1
+    # after train.dist_timeout_s with one line naming it, and torchrun then stops rank 1. Rank 1
+    # abandons the stalled call after data.reward_fn_timeout (longer than rank 0's wait), and
+    # then fails at its own next collective: without it rank 1 would sit in the call through
+    # torchrun's 30 s grace period (its SIGTERM only flags a stop) until torchrun's SIGKILL
     args = MODEL + ["rollout.prompts_per_step=2", "rollout.group_size=2", "warmup.steps=0",
-                    "algorithm.minibatches=1", "train.steps=1", "train.eval_every=0", "train.dist_timeout_s=5",
+                    "algorithm.minibatches=1", "train.steps=1", "train.eval_every=0",
+                    "train.dist_timeout_s=5", "data.reward_fn_timeout=10",
                     f"data.reward={WORKER}:stalls_on_rank_1"]
     t0 = time.monotonic()
     out = launch(2, "-m", "gspo", "train", "--output-dir", str(tmp_path / "r"), *args, timeout=120)

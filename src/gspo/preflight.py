@@ -158,10 +158,11 @@ def setting_warnings(cfg: Config, on_cpu: bool = False) -> list[str]:
     if on_cpu and cfg.rollout.dtype == "float16":
         out.append(f"rollout.dtype=float16 on the CPU: most CPUs have no fast float16 matmul "
                    f"({FP16_CPU_MEASURED['rollout']}); use rollout.dtype=bfloat16 or float32")
-    bf16 = []  # the settings that compute in bfloat16 (vLLM's CPU kernels are its own)
+    bf16 = []  # the settings that have torch compute in bfloat16
     if cfg.train.precision in ("bf16-mixed", "bf16-true"):
         bf16.append(f"train.precision={cfg.train.precision}")
-    if cfg.rollout.engine == "hf" and precision.rollout_dtype(cfg) == "bfloat16":
+    if engine_class(cfg.rollout.engine).torch_kernels and \
+            precision.rollout_dtype(cfg) == "bfloat16":
         auto = " (bfloat16)" if cfg.rollout.dtype == "auto" else ""
         bf16.append(f"rollout.dtype={cfg.rollout.dtype}{auto}")
     if on_cpu and bf16 and not cpu_has_bf16():
