@@ -426,8 +426,9 @@ def test_one_engine_per_rank_under_torchrun(tmp_path, tp):
     assert ranks[0]["responses"][:8] != ranks[1]["responses"][:8]  # the ranks' samples differ
 
 
+# DDP with vLLM runs in CI through the asynchronous test below
 @ONE_GPU
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
 def test_train_under_torchrun_with_vllm_on_every_rank(tmp_path, mode):
     """Pushed after every update (from FSDP2 shards: one gathered tensor at a time), each
     rank's engine samples with its trainer's weights: mismatch/* is the max over ranks."""
@@ -449,7 +450,8 @@ def test_async_rollouts_under_torchrun_with_vllm_on_every_rank(tmp_path):
     varied = f"data.reward={Path(__file__).with_name('dist_update_worker.py')}:digit_fraction"
     out = torchrun_vllm("-m", "gspo", "train", "--output-dir", str(run), *TORCHRUN_VLLM,
                         "train.steps=3", "rollout.max_staleness=1", varied,
-                        "algorithm.old_logprobs=rollout", "algorithm.mismatch_every=1")
+                        "algorithm.old_logprobs=rollout", "algorithm.mismatch_every=1",
+                        "train.data_parallel=ddp")  # the torchrun test above is FSDP's in CI
     assert "terminate called" not in out.stderr
     rows = read_metrics(run / "metrics.jsonl")
     assert [r[M.STALENESS] for r in rows] == [0, 1, 1]
