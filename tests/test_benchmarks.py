@@ -53,6 +53,7 @@ def test_scaling_benchmark_runs_and_counts_update_flops(tmp_path):
     assert res["matmul"]["update_gflop"] > 0 and res["gemm_gflops"] > 0
 
 
+@pytest.mark.slow  # TRL is the baseline of a benchmark run by hand, not a gspo path
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None,
                     reason="TRL is not installed (pip install -e '.[bench]')")
 def test_vs_trl_benchmark_runs(tmp_path):

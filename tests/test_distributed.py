@@ -339,7 +339,7 @@ def test_a_device_this_machine_lacks_is_a_clear_error(spec, message):
     assert resolve_device("auto") == torch.device("cpu") == resolve_device("cpu")
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+@pytest.mark.parametrize("mode", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
 def test_ranks_start_from_rank_0s_weights(tmp_path, one_process, mode):
     # a run whose ranks built different models (another seed per rank) still trains one model:
     # rank 0's weights are broadcast before sharding, so the 2-rank update equals the 1-process one
@@ -353,8 +353,9 @@ def test_ranks_start_from_rank_0s_weights(tmp_path, one_process, mode):
         torch.testing.assert_close(two["params"][k], v, rtol=0, atol=1e-5, msg=k)
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
-def test_two_ranks_share_the_warm_up_and_give_the_single_process_result(tmp_path, one_process, mode):
+@pytest.mark.parametrize("mode", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
+def test_two_ranks_share_the_warm_up_and_give_the_single_process_result(tmp_path, one_process,
+                                                                       mode):
     # each rank scores half of every warm-up batch; global token counts make the gradient the
     # whole batch's (answers differ in length, so a mean of per-rank means would not be)
     common = MODEL + ["warmup.steps=3", "warmup.batch_size=6", "rollout.prompts_per_step=2",
@@ -426,7 +427,8 @@ def fails_cleanly_on_two_ranks(*args: str, says: str) -> None:
     assert not re.search(r'File "[^"]*/gspo/', out.stderr), out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("damage", ["reward_mode", "torn metrics line"])
+@pytest.mark.parametrize("damage", ["reward_mode",
+                                    pytest.param("torn metrics line", marks=pytest.mark.slow)])
 def test_a_refused_resume_under_torchrun(tmp_path, finished_run, damage):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)

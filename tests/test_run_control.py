@@ -50,7 +50,9 @@ def finish(proc, timeout: float = 120.0) -> tuple[int, str]:
     return proc.returncode, err
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+# SIGINT takes the same path (its first signal is also test_a_second_signal_exits_at_once's)
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143),
+                                       pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)])
 def test_a_signal_checkpoints_the_last_step_and_says_how_to_resume(tmp_path, sig, code):
     run_dir = tmp_path / "run"
     proc = start(run_dir, "train.steps=100000")

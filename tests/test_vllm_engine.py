@@ -459,6 +459,9 @@ def test_async_rollouts_under_torchrun_with_vllm_on_every_rank(tmp_path):
     assert all(r[M.MISMATCH + "token_abs_max"] > 1e-3 for r in rows[1:]), rows
 
 
+# slow: SIGTERM under torchrun is CI's in test_distributed, a vLLM run's resume in
+# test_resumed_vllm_run_continues_exactly; this is both at once, 45 s on 2 CPU cores
+@pytest.mark.slow
 @ONE_GPU
 def test_sigterm_and_resume_under_torchrun_with_vllm(tmp_path):
     from test_run_control import steps_logged, wait_for
