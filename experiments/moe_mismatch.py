@@ -33,9 +33,9 @@ record routing, so not grpo+r3):
 Writes NAME.{md,json} (NAME: moe_mismatch) and mm_*.png (NAME_*.png for another NAME); the text
 after the ANALYSIS marker in an existing NAME.md is written by hand and kept. A run whose rows
 NAME.json already holds (same settings, the variant's overrides included) is not trained again
-and stays reported, so
-the grid can grow by a variant (`--only NAME`) and the sweep by a point (`--sweep OVERRIDE`)
-after the run dirs are gone; a seed's warm-up is trained only when one of its runs must be.
+and stays reported, so the grid can grow by a variant (`--only NAME`) and the sweep by a point
+(`--sweep OVERRIDE`) after the run dirs are gone; a seed's warm-up is trained only when one of
+its runs must be.
 """
 
 from __future__ import annotations

@@ -347,10 +347,16 @@ def test_bfloat16_on_a_cpu_without_bf16_instructions_is_warned(monkeypatch, over
     else:
         assert len(warned) == 1 and warned[0].startswith(f"warning: {settings} on a CPU without")
         assert warned[0].endswith("use train.precision=fp32 rollout.dtype=float32 on this machine")
-    # vLLM samples with kernels of its own: its bf16 is not torch's to warn about
+
+
+def test_vllms_bfloat16_is_not_torchs_to_warn_about(monkeypatch):
+    import gspo.preflight
+    monkeypatch.setattr(gspo.preflight, "cpu_has_bf16", lambda: False)
     vllm = load_config(overrides=["rollout.engine=vllm", "rollout.dtype=bfloat16"])
-    assert not any("bf16 instructions" in w
+    assert not any("bf16 instructions" in w  # vLLM samples with kernels of its own
                    for w in gspo.preflight.setting_warnings(vllm, on_cpu=True))
+    hf = load_config(overrides=["rollout.dtype=bfloat16"])
+    assert any("bf16 instructions" in w for w in gspo.preflight.setting_warnings(hf, on_cpu=True))
 
 
 def test_the_bf16_check_agrees_with_the_cpus_own_flags():

@@ -159,13 +159,13 @@ def setting_warnings(cfg: Config, on_cpu: bool = False) -> list[str]:
         out.append(f"rollout.dtype=float16 on the CPU: most CPUs have no fast float16 matmul "
                    f"({FP16_CPU_MEASURED['rollout']}); use rollout.dtype=bfloat16 or float32")
     bf16 = []  # the settings that have torch compute in bfloat16
-    if cfg.train.precision in ("bf16-mixed", "bf16-true"):
+    if on_cpu and precision.get(cfg.train.precision).compute_dtype == torch.bfloat16:
         bf16.append(f"train.precision={cfg.train.precision}")
-    if engine_class(cfg.rollout.engine).torch_kernels and \
+    if on_cpu and engine_class(cfg.rollout.engine).torch_kernels and \
             precision.rollout_dtype(cfg) == "bfloat16":
         auto = " (bfloat16)" if cfg.rollout.dtype == "auto" else ""
         bf16.append(f"rollout.dtype={cfg.rollout.dtype}{auto}")
-    if on_cpu and bf16 and not cpu_has_bf16():
+    if bf16 and not cpu_has_bf16():
         out.append(f"{' and '.join(bf16)} on a CPU without bf16 instructions (x86: AVX512-BF16 "
                    f"or AMX): its bf16 matmuls are emulated ({BF16_SLOW_CPU_MEASURED}); use "
                    f"train.precision=fp32 rollout.dtype=float32 on this machine")
