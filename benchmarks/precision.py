@@ -57,6 +57,9 @@ def parse():
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
     p.add_argument("--direction", action="store_true",
                    help="only the lr 1e-6 update-direction measurement")
+    p.add_argument("--rate-seconds", type=float, default=1.0,
+                   help="time each GEMM rate for at least this long (0: one call after a warm-up; "
+                        "a bf16 one takes seconds on a CPU without bf16 instructions)")
     p.add_argument("--json", default=None)
     return p.parse_args()
 
@@ -65,10 +68,9 @@ def gemm_rates(min_seconds: float = 1.0) -> dict[str, float]:
     """GFLOP/s of a 1024^3 GEMM in float32 and bfloat16, and of SmolLM2's MLP-shaped F.linear
     (4096 x 576 -> 1536) in bfloat16: the rates a phase is measured against."""
     def best(fn, flop):
-        for _ in range(3):
-            fn()
+        fn()  # the first call picks the kernel
         t, start = float("inf"), time.perf_counter()
-        while time.perf_counter() - start < min_seconds:
+        while t == float("inf") or time.perf_counter() - start < min_seconds:
             t0 = time.perf_counter()
             fn()
             t = min(t, time.perf_counter() - t0)
@@ -114,7 +116,8 @@ def speed(a) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     from gspo import close_run, prepare, rl_step
-    before = gemm_rates()  # and again after: the higher of the two, the quieter machine
+    # the GEMM rates before and after: the higher of the two, the quieter machine
+    before = gemm_rates(a.rate_seconds)
     # step 0 of each mode runs under the FLOP counter, phase by phase, and is not timed
     counters = {m: PhaseHook(lambda step, phase: FlopCounterMode(display=False)
                              if step == 0 else None) for m in a.modes}
@@ -135,7 +138,7 @@ def speed(a) -> dict:
             close_run(run)
     flops = {m: {name: float(counters[m].results[0, phase].get_total_flops())
                  for name, phase in zip(PHASES, CALLBACK_PHASES)} for m in a.modes}
-    rates = {k: max(v, before[k]) for k, v in gemm_rates().items()}
+    rates = {k: max(v, before[k]) for k, v in gemm_rates(a.rate_seconds).items()}
     out = []
     for mode in a.modes:
         for phase, key in {**PHASES, "step": None}.items():

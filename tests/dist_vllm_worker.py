@@ -1,10 +1,11 @@
 """One rank of a torchrun launch with one vLLM engine per rank (tests/test_vllm_engine.py).
 
-    torchrun --nproc_per_node 2 tests/dist_vllm_worker.py OUT_DIR TENSOR_PARALLEL_SIZE
+    torchrun --nproc_per_node 2 tests/dist_vllm_worker.py OUT_DIR TENSOR_PARALLEL_SIZE...
 
-Each rank samples its own prompts with its own seed, checks vLLM's log-probs against its
-float32 trainer model before and after a weight push, closes the engine and then uses the
-process group once more; it writes what it saw to OUT_DIR/rank{R}.json.
+For each tensor-parallel size in turn (one launch serves them all: a launch costs each rank a
+vLLM import), each rank samples its own prompts with its own seed, checks vLLM's log-probs
+against its float32 trainer model before and after a weight push, closes the engine and then
+uses the process group once more; it writes what it saw to OUT_DIR/rank{R}-tp{TP}.json.
 """
 
 import json
@@ -27,12 +28,19 @@ def max_dlogp(model, r) -> float:
     return float(((r.logp - ref) * r.response_mask).abs().max())
 
 
-def main(out: Path, tp: int) -> None:
+def main(out: Path, sizes: list[int]) -> None:
     cuda = torch.cuda.is_available()  # one GPU per rank (scripts/gpu_check.sh), else the CPU
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
+    for tp in sizes:
+        seen = one_engine(device, tp)
+        (out / f"rank{dist.get_rank()}-tp{tp}.json").write_text(json.dumps(seen))
+    dist.destroy_process_group()
+
+
+def one_engine(device: torch.device, tp: int) -> dict:
     rank = dist.get_rank()
     tok = build_tokenizer()
     torch.manual_seed(0)  # the same model on every rank, as after the trainer's broadcast
@@ -59,9 +67,8 @@ def main(out: Path, tp: int) -> None:
     alive = torch.ones(1, device=device)
     dist.all_reduce(alive)  # the trainer's group outlived vLLM's teardown
     seen["group_after_close"] = float(alive)
-    (out / f"rank{rank}.json").write_text(json.dumps(seen))
-    dist.destroy_process_group()
+    return seen
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]))
+    main(Path(sys.argv[1]), [int(a) for a in sys.argv[2:]])

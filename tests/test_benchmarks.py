@@ -142,7 +142,8 @@ def test_memory_benchmark_runs_and_sizes_the_parts(tmp_path):
 
 def test_precision_benchmark_times_each_mode_and_phase(tmp_path):
     res = run("precision.py", "--prompts", "2", "--group-size", "2", "--max-new-tokens", "3",
-              "--num-layers", "1", "--steps", "1", "--modes", "fp32", "bf16-mixed", *TINY,
+              "--num-layers", "1", "--steps", "1", "--modes", "fp32", "bf16-mixed",
+              "--rate-seconds", "0", *TINY,
               tmp_path=tmp_path)
     rows = {(r["mode"], r["phase"]): r for r in res["rows"]}
     assert set(rows) == {(m, p) for m in ("fp32", "bf16-mixed")

@@ -335,14 +335,16 @@ def test_smollm2_bf16_mixed_gradients_agree_with_float32(smollm2):
 @needs_smollm2
 def test_smollm2_at_theta_old_the_bf16_mixed_ratio_is_exactly_one(tmp_path):
     cfg = load_config(ROOT / "examples" / "configs" / "smollm2_addition.yaml", overrides=[
-        "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+        "rollout.prompts_per_step=1", "rollout.group_size=2", "rollout.max_new_tokens=8",
         "algorithm.minibatches=1", "train.eval_every=0", "train.progress=false",
         "train.precision=bf16-mixed"])
     run = prepare(cfg, tmp_path / "run", False)
     try:
-        r = generate(run, run.train_rows[:2], 0)
+        # one group: the update's backward is most of the test (25 s for two groups on a CPU
+        # without bf16 instructions, where bf16 matmuls are emulated)
+        r = generate(run, run.train_rows[:1], 0)
         old, _, _ = old_policy(run, r, 0)
-        out = update(run, r, old, None, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+        out = update(run, r, old, None, torch.tensor([1.0, -0.5]))
     finally:
         close_run(run)
     assert out[M.RATIO_MIN] == out[M.RATIO_MAX] == 1.0

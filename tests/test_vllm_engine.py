@@ -138,9 +138,11 @@ def test_moe_repack_reaches_every_cpu_moe_layer_of_this_vllm(tok):
 def test_sampled_tokens_follow_the_pushed_weights_and_stop_at_eos(tok):
     """Push a model that puts (nearly) all mass on one token: first a plain token, then eos."""
     model = build_tiny_qwen3(tok, **SHAPE, intermediate_size=128)
+    assert "LOCAL_WORLD_SIZE" not in os.environ
     engine = vllm_engine(model, tok)
     hf = HFEngine(model)
     try:
+        assert "LOCAL_WORLD_SIZE" not in os.environ  # vLLM's CPU platform set it; put back
         assert engine.stop_token_ids == hf.eos_token_ids == stop_token_ids(model, tok)
         params = SamplingParams(temperature=1.0, max_new_tokens=6)
         prompts = prompt_ids(tok)
@@ -411,19 +413,20 @@ def torchrun_vllm(*args: str, timeout: int = 280) -> subprocess.CompletedProcess
 
 
 @ONE_GPU
-@pytest.mark.parametrize("tp", [1, 2])
-def test_one_engine_per_rank_under_torchrun(tmp_path, tp):
-    """Each rank's engine (tp=1) or the two ranks' shared one (tp=2) samples each rank's own
-    prompts with its own seeds, gives its trainer's log-probs before and after a push, and
-    shuts down without taking the trainer's process group with it."""
-    torchrun_vllm(str(Path(__file__).with_name("dist_vllm_worker.py")), str(tmp_path), str(tp))
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert [r["rows"] for r in ranks] == [8, 12]  # 2 and 3 prompts x 4
-    for r in ranks:
-        assert r["before"] < 1e-4 and r["after"] < 1e-4, r
-        assert r["group_after_close"] == 2.0
-        assert r["threads"] == 2  # torch.set_num_threads works again after the engine starts
-    assert ranks[0]["responses"][:8] != ranks[1]["responses"][:8]  # the ranks' samples differ
+def test_one_engine_per_rank_under_torchrun(tmp_path):
+    """Each rank's engine (tp=1) or the two ranks' shared one (tp=2, built after the first
+    closed: one launch for both) samples each rank's own prompts with its own seeds, gives its
+    trainer's log-probs before and after a push, and shuts down without taking the trainer's
+    process group with it."""
+    torchrun_vllm(str(Path(__file__).with_name("dist_vllm_worker.py")), str(tmp_path), "1", "2")
+    for tp in (1, 2):
+        ranks = [json.loads((tmp_path / f"rank{r}-tp{tp}.json").read_text()) for r in (0, 1)]
+        assert [r["rows"] for r in ranks] == [8, 12], tp  # 2 and 3 prompts x 4
+        for r in ranks:
+            assert r["before"] < 1e-4 and r["after"] < 1e-4, (tp, r)
+            assert r["group_after_close"] == 2.0
+            assert r["threads"] == 2  # torch.set_num_threads works again after the engine starts
+        assert ranks[0]["responses"][:8] != ranks[1]["responses"][:8]  # the ranks' samples differ
 
 
 # DDP with vLLM runs in CI through the asynchronous test below
