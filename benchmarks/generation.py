@@ -9,9 +9,11 @@ alternate `--repeats` times in one process; the table shows the median tokens/s 
 their ratio. Generated tokens count every response token up to and including eos.
 
 With `--vllm` (run it with `.venv-vllm/bin/python`, `bash scripts/setup.sh --vllm`), the vLLM
-engine (`rollout.engine=vllm`, in this process, float32, eager on the CPU) samples the same
-prompts from the same weights too; `--model DIR` takes a Hugging Face model directory instead of
-the tiny Qwen3 (e.g. `$(gspo fetch-model smollm2-135m-instruct)`).
+engine (`rollout.engine=vllm`, in this process, eager on the CPU) samples the same prompts from
+the same weights too, in `--vllm-dtype` (float32 by default: the others sample in float32;
+bfloat16 measures what `rollout.dtype=bfloat16` costs or saves on this CPU); `--model DIR` takes a
+Hugging Face model directory instead of the tiny Qwen3 (e.g. `$(gspo fetch-model
+smollm2-135m-instruct)`).
 
 Also timed: the engine's plain loop (`HFEngine(fast=False)`: one transformers forward per step
 over all rows with a DynamicCache), so the table separates the engine's fast path from the
@@ -39,6 +41,8 @@ def parse_args(argv=None):
     common.add_model_args(p)
     p.add_argument("--model", help="a Hugging Face model directory (default: the tiny Qwen3)")
     p.add_argument("--vllm", action="store_true", help="also time the vLLM engine")
+    p.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the dtype vLLM samples in (rollout.dtype)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--json", help="also write the results here")
@@ -94,9 +98,9 @@ def main(argv=None) -> int:
                    HFEngine(model, eos_token_ids=eos, pad_token_id=pad, fast=False), s)}
     if a.vllm:
         t0 = time.perf_counter()
-        vllm_engine = make_engine("vllm", model, tokenizer, dtype="float32")
+        vllm_engine = make_engine("vllm", model, tokenizer, dtype=a.vllm_dtype)
         print(f"vLLM engine started in {time.perf_counter() - t0:.1f} s")
-        systems["vllm engine"] = lambda s: run_engine(vllm_engine, s)
+        systems[f"vllm engine ({a.vllm_dtype})"] = lambda s: run_engine(vllm_engine, s)
     systems["model.generate"] = run_generate
     samples: dict[str, list[tuple[int, float]]] = {k: [] for k in systems}
     for name, fn in systems.items():  # warm-up: first calls allocate and pick kernels

@@ -349,14 +349,17 @@ def test_bfloat16_on_a_cpu_without_bf16_instructions_is_warned(monkeypatch, over
         assert warned[0].endswith("use train.precision=fp32 rollout.dtype=float32 on this machine")
 
 
-def test_vllms_bfloat16_is_not_torchs_to_warn_about(monkeypatch):
+def test_vllms_bfloat16_is_warned_about_as_the_hf_engines(monkeypatch):
+    # vLLM's CPU backend emulates bf16 too (BF16_SLOW_CPU_MEASURED); on a GPU nothing warns
     import gspo.preflight
     monkeypatch.setattr(gspo.preflight, "cpu_has_bf16", lambda: False)
-    vllm = load_config(overrides=["rollout.engine=vllm", "rollout.dtype=bfloat16"])
-    assert not any("bf16 instructions" in w  # vLLM samples with kernels of its own
-                   for w in gspo.preflight.setting_warnings(vllm, on_cpu=True))
-    hf = load_config(overrides=["rollout.dtype=bfloat16"])
-    assert any("bf16 instructions" in w for w in gspo.preflight.setting_warnings(hf, on_cpu=True))
+    for engine in ("vllm", "hf"):
+        cfg = load_config(overrides=[f"rollout.engine={engine}", "rollout.dtype=bfloat16"])
+        (warned,) = [w for w in gspo.preflight.setting_warnings(cfg, on_cpu=True)
+                     if "bf16 instructions" in w]
+        assert warned.startswith("rollout.dtype=bfloat16 on a CPU without"), engine
+        assert not any("bf16 instructions" in w
+                       for w in gspo.preflight.setting_warnings(cfg, on_cpu=False))
 
 
 def test_the_bf16_check_agrees_with_the_cpus_own_flags():

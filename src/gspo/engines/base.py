@@ -172,10 +172,6 @@ class RolloutEngine(Protocol):
     tensor_parallel: bool
     """Whether rollout.tensor_parallel_size > 1 can split one engine over several ranks."""
 
-    torch_kernels: bool
-    """Whether it computes with torch's own kernels in rollout.dtype (what a dtype costs torch
-    on this machine is what it costs the engine), not kernels of its own."""
-
     @classmethod
     def settings(cls, rollout, routing_replay: bool = False) -> EngineSettings:
         """Its options and memory profile from a RolloutConfig (the engine's own rollout.* keys)

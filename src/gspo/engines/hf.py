@@ -81,7 +81,6 @@ class HFEngine:
     single_process = False
     requires = None
     tensor_parallel = False
-    torch_kernels = True
 
     @classmethod
     def settings(cls, rollout, routing_replay: bool = False) -> EngineSettings:

@@ -105,7 +105,6 @@ class VLLMEngine:
     single_process = False  # under torchrun: one engine per rank (TP groups within a node)
     requires = "vllm"
     tensor_parallel = True
-    torch_kernels = False  # vLLM's own attention and GEMM kernels
 
     @classmethod
     def settings(cls, rollout, routing_replay: bool = False) -> EngineSettings:
