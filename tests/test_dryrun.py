@@ -326,17 +326,25 @@ def test_float16_on_the_cpu_is_warned(overrides, settings):
     assert all(w.endswith(fixes[s]) and "2-core AMD EPYC" in w for w, s in zip(warned, settings))
 
 
-@pytest.mark.parametrize("overrides, settings", [
-    (["train.precision=bf16-mixed"], "train.precision=bf16-mixed and rollout.dtype=auto (bfloat16)"),
-    (["train.precision=bf16-mixed", "rollout.dtype=float32"], "train.precision=bf16-mixed"),
-    (["train.precision=bf16-true", "rollout.dtype=float32"], "train.precision=bf16-true"),
-    (["rollout.dtype=bfloat16"], "rollout.dtype=bfloat16"),
-    ([], None),  # float32 throughout
-    (["train.precision=bf16-mixed", "train.device=cuda"], None),  # a GPU has bf16
+BOTH_FIXES = "train.precision=fp32 rollout.dtype=float32"
+
+
+@pytest.mark.parametrize("overrides, settings, fix", [
+    (["train.precision=bf16-mixed"], "train.precision=bf16-mixed and rollout.dtype=auto (bfloat16)",
+     BOTH_FIXES),
+    (["train.precision=bf16-mixed", "rollout.dtype=float32"], "train.precision=bf16-mixed",
+     "train.precision=fp32"),
+    (["train.precision=bf16-true", "rollout.dtype=float32"], "train.precision=bf16-true",
+     "train.precision=fp32"),
+    (["rollout.dtype=bfloat16"], "rollout.dtype=bfloat16", "rollout.dtype=float32"),
+    (["train.precision=bf16-mixed", "rollout.dtype=bfloat16"],
+     "train.precision=bf16-mixed and rollout.dtype=bfloat16", BOTH_FIXES),
+    ([], None, None),  # float32 throughout
+    (["train.precision=bf16-mixed", "train.device=cuda"], None, None),  # a GPU has bf16
 ])
 @pytest.mark.parametrize("has_bf16", [False, True])
 def test_bfloat16_on_a_cpu_without_bf16_instructions_is_warned(monkeypatch, overrides, settings,
-                                                               has_bf16):
+                                                               fix, has_bf16):
     import gspo.preflight
     monkeypatch.setattr(gspo.preflight, "cpu_has_bf16", lambda: has_bf16)
     out = io.StringIO()
@@ -346,7 +354,7 @@ def test_bfloat16_on_a_cpu_without_bf16_instructions_is_warned(monkeypatch, over
         assert warned == []
     else:
         assert len(warned) == 1 and warned[0].startswith(f"warning: {settings} on a CPU without")
-        assert warned[0].endswith("use train.precision=fp32 rollout.dtype=float32 on this machine")
+        assert warned[0].endswith(f"; use {fix} on this machine")
 
 
 def test_vllms_bfloat16_is_warned_about_as_the_hf_engines(monkeypatch):

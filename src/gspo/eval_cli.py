@@ -32,7 +32,7 @@ from gspo.evaluation import EvalResult, evaluate, pass_at_k
 from gspo.rewards import RewardFn, close_reward
 from gspo.tasks import TASKS, build_reward, file_tasks
 from gspo.tasks.datasets import load_rows
-from gspo.preflight import build_model
+from gspo.preflight import build_model, setting_warnings
 from gspo.trainer import build_engine
 
 TABLE_ROWS = 50  # problems printed; the JSONL always has them all
@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(str(e)) from None
     cfg = eval_config(args.model, args.task, args.data, args.overrides, engine=args.engine,
                       dtype=args.dtype, seed=args.seed, device=args.device)
+    on_cpu = resolve_device(cfg.train.device).type == "cpu"
+    for warning in setting_warnings(cfg, on_cpu, flags={"rollout.dtype": "--dtype"}):
+        print(f"warning: {warning}", file=sys.stderr)  # a --dtype this CPU runs slowly
     rows, reward_fn = load_eval_task(cfg.data, args.limit)
     try:
         engine, tokenizer = load_engine(cfg)

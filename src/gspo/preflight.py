@@ -128,7 +128,8 @@ def cpu_has_bf16() -> bool:
         return True
 
 
-def setting_warnings(cfg: Config, on_cpu: bool = False) -> list[str]:
+def setting_warnings(cfg: Config, on_cpu: bool = False,
+                     flags: dict[str, str] | None = None) -> list[str]:
     """Settings that run but are known to fail, one line each: a clip range far from the
     objective's own (GSPO given GRPO's 0.2: its length-normalised sequence ratio stays within
     ~1e-3 of 1, so nothing is ever clipped and the update is unbounded, the misconfiguration
@@ -137,8 +138,13 @@ def setting_warnings(cfg: Config, on_cpu: bool = False) -> list[str]:
     configured: a sequence objective takes its one aggregation (gspo.objectives.LossSpec).
     float16 where the run computes on the CPU (`on_cpu`): most CPUs have no fast float16 matmul
     (FP16_CPU_MEASURED says what it cost here); bfloat16 there when the CPU has no bf16
-    instructions (cpu_has_bf16): tens of times slower than float32."""
+    instructions (cpu_has_bf16): tens of times slower than float32. `flags`: the command-line
+    flag that sets a key, where the caller takes it as one (gspo eval: {"rollout.dtype":
+    "--dtype"}), so that a warning names what its user types."""
     from gspo.objectives import OBJECTIVES
+
+    def say(key: str, value: str) -> str:
+        return f"{flags[key]} {value}" if key in (flags or {}) else f"{key}={value}"
 
     a, spec, out = cfg.algorithm, OBJECTIVES[cfg.algorithm.name], []
     for side, eps, own in (("eps_low", a.eps_low, spec.eps_low),
@@ -153,23 +159,27 @@ def setting_warnings(cfg: Config, on_cpu: bool = False) -> list[str]:
                        f"{a.name}'s own clip range ({own:g}): almost every term is clipped "
                        f"and carries no gradient; use {own:g} or a fraction of it near 1")
     if on_cpu and cfg.train.precision == "fp16-mixed":
-        out.append(f"train.precision=fp16-mixed on the CPU: most CPUs have no fast float16 "
-                   f"matmul ({FP16_CPU_MEASURED['train']}); use train.precision=bf16-mixed or "
-                   f"fp32")
+        out.append(f"{say('train.precision', 'fp16-mixed')} on the CPU: most CPUs have no fast "
+                   f"float16 matmul ({FP16_CPU_MEASURED['train']}); use "
+                   f"{say('train.precision', 'bf16-mixed')} or fp32")
     if on_cpu and cfg.rollout.dtype == "float16":
-        out.append(f"rollout.dtype=float16 on the CPU: most CPUs have no fast float16 matmul "
-                   f"({FP16_CPU_MEASURED['rollout']}); use rollout.dtype=bfloat16 or float32")
-    bf16 = []  # the settings that compute in bfloat16: the trainer, and either engine (vLLM's
-    # CPU backend too: BF16_SLOW_CPU_MEASURED)
+        out.append(f"{say('rollout.dtype', 'float16')} on the CPU: most CPUs have no fast "
+                   f"float16 matmul ({FP16_CPU_MEASURED['rollout']}); use "
+                   f"{say('rollout.dtype', 'bfloat16')} or float32")
+    # the settings that compute in bfloat16, and their fixes: the trainer, and either engine
+    # (vLLM's CPU backend too: BF16_SLOW_CPU_MEASURED)
+    bf16, fixes = [], []
     if on_cpu and precision.get(cfg.train.precision).compute_dtype == torch.bfloat16:
-        bf16.append(f"train.precision={cfg.train.precision}")
+        bf16.append(say("train.precision", cfg.train.precision))
+        fixes.append(say("train.precision", "fp32"))
     if on_cpu and precision.rollout_dtype(cfg) == "bfloat16":
         auto = " (bfloat16)" if cfg.rollout.dtype == "auto" else ""
-        bf16.append(f"rollout.dtype={cfg.rollout.dtype}{auto}")
+        bf16.append(say("rollout.dtype", cfg.rollout.dtype) + auto)
+        fixes.append(say("rollout.dtype", "float32"))
     if bf16 and not cpu_has_bf16():
         out.append(f"{' and '.join(bf16)} on a CPU without bf16 instructions (x86: AVX512-BF16 "
                    f"or AMX): its bf16 matmuls are emulated ({BF16_SLOW_CPU_MEASURED}); use "
-                   f"train.precision=fp32 rollout.dtype=float32 on this machine")
+                   f"{' '.join(fixes)} on this machine")
     return out
 
 
