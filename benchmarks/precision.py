@@ -66,9 +66,11 @@ def parse():
 
 def gemm_rates(min_seconds: float = 1.0) -> dict[str, float]:
     """GFLOP/s of a 1024^3 GEMM in float32 and bfloat16, and of SmolLM2's MLP-shaped F.linear
-    (4096 x 576 -> 1536) in bfloat16: the rates a phase is measured against."""
+    (4096 x 576 -> 1536) in bfloat16: the rates a phase is measured against, each the best call
+    of at least `min_seconds` of calls after three warm-up calls (0: one call after one)."""
     def best(fn, flop):
-        fn()  # the first call picks the kernel
+        for _ in range(3 if min_seconds > 0 else 1):  # the first call picks the kernel
+            fn()
         t, start = float("inf"), time.perf_counter()
         while t == float("inf") or time.perf_counter() - start < min_seconds:
             t0 = time.perf_counter()

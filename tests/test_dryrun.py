@@ -316,12 +316,18 @@ def test_a_clip_range_far_from_the_objectives_own_is_warned(overrides, words):
     (["rollout.dtype=bfloat16"], []),
     (["train.precision=fp16-mixed", "train.device=cuda"], []),  # a GPU recipe: fp16 is fast
 ])
-def test_float16_on_the_cpu_is_warned(overrides, settings):
+@pytest.mark.parametrize("has_bf16", [True, False])
+def test_float16_on_the_cpu_is_warned(monkeypatch, overrides, settings, has_bf16):
+    import gspo.preflight
+    monkeypatch.setattr(gspo.preflight, "cpu_has_bf16", lambda: has_bf16)
     out = io.StringIO()
     dry_run(load_config(overrides=["train.device=cpu", *overrides]), out=out)
     warned = [x for x in out.getvalue().splitlines() if "on the CPU: most CPUs" in x]
-    fixes = {"train.precision=fp16-mixed": "use train.precision=bf16-mixed or fp32",
-             "rollout.dtype=float16": "use rollout.dtype=bfloat16 or float32"}
+    # bf16 offered only where the CPU has bf16 instructions (else it is slower still)
+    fixes = {"train.precision=fp16-mixed": "use train.precision=bf16-mixed or fp32"
+             if has_bf16 else "use train.precision=fp32",
+             "rollout.dtype=float16": "use rollout.dtype=bfloat16 or float32"
+             if has_bf16 else "use rollout.dtype=float32"}
     assert [w.split(" on the CPU")[0] for w in warned] == [f"warning: {s}" for s in settings]
     assert all(w.endswith(fixes[s]) and "2-core AMD EPYC" in w for w, s in zip(warned, settings))
 

@@ -107,7 +107,7 @@ def test_an_rl_step_on_smollm2_writes_a_checkpoint_plain_transformers_reloads(sm
         "train.tensorboard=false",
         # float32: SmolLM2's bf16-mixed path has its own tests (test_precision.py), and its
         # emulated backward took 20 s of this test on a CPU without bf16 instructions
-        "train.precision=fp32", "rollout.dtype=float32",
+        "train.precision=fp32",
         # a dense reward (digit fraction) so that 4 short responses still differ in reward
         f"data.reward={ROOT / 'tests' / 'dist_update_worker.py'}:digit_fraction"])
     summary = train(cfg, tmp_path / "run")

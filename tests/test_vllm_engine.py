@@ -138,11 +138,9 @@ def test_moe_repack_reaches_every_cpu_moe_layer_of_this_vllm(tok):
 def test_sampled_tokens_follow_the_pushed_weights_and_stop_at_eos(tok):
     """Push a model that puts (nearly) all mass on one token: first a plain token, then eos."""
     model = build_tiny_qwen3(tok, **SHAPE, intermediate_size=128)
-    assert "LOCAL_WORLD_SIZE" not in os.environ
     engine = vllm_engine(model, tok)
     hf = HFEngine(model)
     try:
-        assert "LOCAL_WORLD_SIZE" not in os.environ  # vLLM's CPU platform set it; put back
         assert engine.stop_token_ids == hf.eos_token_ids == stop_token_ids(model, tok)
         params = SamplingParams(temperature=1.0, max_new_tokens=6)
         prompts = prompt_ids(tok)
@@ -176,6 +174,14 @@ def one_token_model_(model, target: int):
         emb[target, 0] = 12.0
         model.model.norm.weight.zero_()
         model.model.norm.weight[0] = 1.0
+
+
+def test_an_engine_start_leaves_local_world_size_as_torchrun_set_it(tok, monkeypatch):
+    """vLLM's CPU platform sets LOCAL_WORLD_SIZE to the engine's TP size process-wide; the
+    engine puts the launcher's value back (else a TP=2 engine after a TP=1 one is refused)."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    vllm_engine(build_tiny_qwen3(tok, **SHAPE, intermediate_size=128), tok).close()
+    assert os.environ["LOCAL_WORLD_SIZE"] == "2"
 
 
 def test_same_seed_same_rollouts_and_responses_never_share_a_stream(tok):
@@ -415,9 +421,10 @@ def torchrun_vllm(*args: str, timeout: int = 280) -> subprocess.CompletedProcess
 @ONE_GPU
 def test_one_engine_per_rank_under_torchrun(tmp_path):
     """Each rank's engine (tp=1) or the two ranks' shared one (tp=2, built after the first
-    closed: one launch for both) samples each rank's own prompts with its own seeds, gives its
-    trainer's log-probs before and after a push, and shuts down without taking the trainer's
-    process group with it."""
+    closed: one launch for both, which also checks that a second engine can start in a
+    process, unlike gspo train's one engine per process) samples each rank's own prompts with
+    its own seeds, gives its trainer's log-probs before and after a push, and shuts down
+    without taking the trainer's process group with it."""
     torchrun_vllm(str(Path(__file__).with_name("dist_vllm_worker.py")), str(tmp_path), "1", "2")
     for tp in (1, 2):
         ranks = [json.loads((tmp_path / f"rank{r}-tp{tp}.json").read_text()) for r in (0, 1)]
@@ -456,7 +463,7 @@ def test_async_rollouts_under_torchrun_with_vllm_on_every_rank(tmp_path):
     out = torchrun_vllm("-m", "gspo", "train", "--output-dir", str(run), *TORCHRUN_VLLM,
                         "train.steps=3", "rollout.max_staleness=1", varied,
                         "algorithm.old_logprobs=rollout", "algorithm.mismatch_every=1",
-                        "train.data_parallel=ddp")  # the torchrun test above is FSDP's in CI
+                        "train.data_parallel=ddp")  # FSDP2's in CI: the SIGTERM test below
     assert "terminate called" not in out.stderr
     rows = read_metrics(run / "metrics.jsonl")
     assert [r[M.STALENESS] for r in rows] == [0, 1, 1]
@@ -466,9 +473,10 @@ def test_async_rollouts_under_torchrun_with_vllm_on_every_rank(tmp_path):
 
 @ONE_GPU
 def test_sigterm_and_resume_under_torchrun_with_vllm(tmp_path):
-    """FSDP2 with an engine per rank, stopped by SIGTERM and resumed: pushed from the shards
-    after every update (and built from the checkpoint on resume), each rank's engine samples
-    with its trainer's weights, mismatch/* being the max over ranks."""
+    """FSDP2 with an engine per rank, stopped by SIGTERM and resumed for two more steps: pushed
+    from the shards after the warm-up and after every update (and built from the checkpoint on
+    resume), each rank's engine samples with its trainer's weights, mismatch/* being the max
+    over ranks."""
     from test_run_control import steps_logged, wait_for
     run = tmp_path / "run"
     args = TORCHRUN_VLLM + ["train.data_parallel=fsdp", "train.save_every=0",
@@ -489,8 +497,8 @@ def test_sigterm_and_resume_under_torchrun_with_vllm(tmp_path):
             p.communicate()
     done = steps_logged(run)
     assert f"gspo: stopped by SIGTERM after {done} of 100000 RL steps" in err, err[-3000:]
-    torchrun_vllm("-m", "gspo", "train", "--resume", str(run), *args, f"train.steps={done + 1}")
+    torchrun_vllm("-m", "gspo", "train", "--resume", str(run), *args, f"train.steps={done + 2}")
     rows = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, done + 2))
+    assert [r["step"] for r in rows] == list(range(1, done + 3))  # the last after a push
     for r in rows:
         assert r[M.MISMATCH + "token_abs_max"] < 1e-4, r

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = eval_config(args.model, args.task, args.data, args.overrides, engine=args.engine,
                       dtype=args.dtype, seed=args.seed, device=args.device)
     on_cpu = resolve_device(cfg.train.device).type == "cpu"
-    for warning in setting_warnings(cfg, on_cpu, flags={"rollout.dtype": "--dtype"}):
+    for warning in setting_warnings(cfg, on_cpu, flags=FLAGS):
         print(f"warning: {warning}", file=sys.stderr)  # a --dtype this CPU runs slowly
     rows, reward_fn = load_eval_task(cfg.data, args.limit)
     try:

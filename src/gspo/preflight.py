@@ -137,8 +137,9 @@ def setting_warnings(cfg: Config, on_cpu: bool = False,
     carries no gradient). A token-sum aggregation of a sequence ratio (ROLL#165) cannot be
     configured: a sequence objective takes its one aggregation (gspo.objectives.LossSpec).
     float16 where the run computes on the CPU (`on_cpu`): most CPUs have no fast float16 matmul
-    (FP16_CPU_MEASURED says what it cost here); bfloat16 there when the CPU has no bf16
-    instructions (cpu_has_bf16): tens of times slower than float32. `flags`: the command-line
+    (FP16_CPU_MEASURED says what it cost here; the fix offers bf16 only where the CPU has it);
+    bfloat16 there when the CPU has no bf16 instructions (cpu_has_bf16): 5x to 90x slower than
+    float32 (BF16_SLOW_CPU_MEASURED). `flags`: the command-line
     flag that sets a key, where the caller takes it as one (gspo eval: {"rollout.dtype":
     "--dtype"}), so that a warning names what its user types."""
     from gspo.objectives import OBJECTIVES
@@ -158,14 +159,17 @@ def setting_warnings(cfg: Config, on_cpu: bool = False,
             out.append(f"algorithm.{side}={eps:g} is 1/{own / max(eps, 1e-12):.0f} of "
                        f"{a.name}'s own clip range ({own:g}): almost every term is clipped "
                        f"and carries no gradient; use {own:g} or a fraction of it near 1")
+    has_bf16 = not on_cpu or cpu_has_bf16()
     if on_cpu and cfg.train.precision == "fp16-mixed":
+        fix = f"{say('train.precision', 'bf16-mixed')} or fp32" if has_bf16 else \
+            say("train.precision", "fp32")
         out.append(f"{say('train.precision', 'fp16-mixed')} on the CPU: most CPUs have no fast "
-                   f"float16 matmul ({FP16_CPU_MEASURED['train']}); use "
-                   f"{say('train.precision', 'bf16-mixed')} or fp32")
+                   f"float16 matmul ({FP16_CPU_MEASURED['train']}); use {fix}")
     if on_cpu and cfg.rollout.dtype == "float16":
+        fix = f"{say('rollout.dtype', 'bfloat16')} or float32" if has_bf16 else \
+            say("rollout.dtype", "float32")
         out.append(f"{say('rollout.dtype', 'float16')} on the CPU: most CPUs have no fast "
-                   f"float16 matmul ({FP16_CPU_MEASURED['rollout']}); use "
-                   f"{say('rollout.dtype', 'bfloat16')} or float32")
+                   f"float16 matmul ({FP16_CPU_MEASURED['rollout']}); use {fix}")
     # the settings that compute in bfloat16, and their fixes: the trainer, and either engine
     # (vLLM's CPU backend too: BF16_SLOW_CPU_MEASURED)
     bf16, fixes = [], []
@@ -176,7 +180,7 @@ def setting_warnings(cfg: Config, on_cpu: bool = False,
         auto = " (bfloat16)" if cfg.rollout.dtype == "auto" else ""
         bf16.append(say("rollout.dtype", cfg.rollout.dtype) + auto)
         fixes.append(say("rollout.dtype", "float32"))
-    if bf16 and not cpu_has_bf16():
+    if bf16 and not has_bf16:
         out.append(f"{' and '.join(bf16)} on a CPU without bf16 instructions (x86: AVX512-BF16 "
                    f"or AMX): its bf16 matmuls are emulated ({BF16_SLOW_CPU_MEASURED}); use "
                    f"{' '.join(fixes)} on this machine")

@@ -184,17 +184,19 @@ class VLLMEngine:
         # ... and its CPU platform sets LOCAL_WORLD_SIZE to the tensor-parallel size for good:
         # put torchrun's value back, or the next engine's check above reads vLLM's
         local_world = os.environ.get("LOCAL_WORLD_SIZE")
-        # CUDA graphs pay on a GPU; on the CPU eager mode starts in ~7 s instead of ~30 s
-        self.llm = vllm.LLM(model=path, dtype=dtype, seed=seed,
-                            max_model_len=max_model_len,
-                            logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                            enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
-                            **options)
-        torch.set_num_threads = set_num_threads
-        if local_world is None:
-            os.environ.pop("LOCAL_WORLD_SIZE", None)
-        else:
-            os.environ["LOCAL_WORLD_SIZE"] = local_world
+        try:  # (an engine that fails to start must not leave either behind)
+            # CUDA graphs pay on a GPU; on the CPU eager mode starts in ~7 s instead of ~30 s
+            self.llm = vllm.LLM(model=path, dtype=dtype, seed=seed,
+                                max_model_len=max_model_len,
+                                logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                                enforce_eager=(not on_gpu) if enforce_eager is None
+                                else enforce_eager, **options)
+        finally:
+            torch.set_num_threads = set_num_threads
+            if local_world is None:
+                os.environ.pop("LOCAL_WORLD_SIZE", None)
+            else:
+                os.environ["LOCAL_WORLD_SIZE"] = local_world
         self._vllm = vllm
         if world > 1:
             dist.barrier()  # every rank has read the model files
