@@ -4,12 +4,13 @@ side by side in one process.
     .venv/bin/python benchmarks/async_rollouts.py [--steps 6] [--repeats 1] [--staleness 1]
         [--config FILE] [key.sub=value ...]
 
-Both modes run the same config (same model, prompts, seeds), alternating sync / async, so both
-see the same machine load; the first step of each is a warm-up and is not timed. The
-synchronous step computes with all of torch's threads; the asynchronous one gives half to the
-sampler's thread and half to the trainer's. Prints seconds per step, steps per hour, the ratio,
-and the bound for the split used: max(sampling, the trainer's own work) per step, from the
-asynchronous rows (time/sample_s; the step's time less its wait for the batch).
+Three modes run the same config (same model, prompts, seeds), in turn, so all see the same
+machine load; the first step of each is a warm-up and is not timed. The synchronous step
+computes with all of torch's threads; the asynchronous ones give half to the sampler's thread
+and half to the trainer's, either lending a waiting thread's half to the other
+(rollout.share_cores=true, the default) or not (false: fixed shares). Prints seconds per step,
+steps per hour, the ratios, and each asynchronous mode's bound: max(sampling, the trainer's
+own work) per step, from its rows (time/sample_s; the step's time less its wait for the batch).
 """
 
 from __future__ import annotations
@@ -53,24 +54,29 @@ def main(argv=None) -> int:
     p.add_argument("--config")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    modes = {"sync": 0, f"async k={args.staleness}": args.staleness}
+    k = args.staleness
+    modes = {"sync": (0, []), f"async k={k}": (k, []),
+             f"async k={k} fixed": (k, ["rollout.share_cores=false"])}
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for _ in range(args.repeats):
-        for name, k in modes.items():
-            runs[name].append(time_mode(k, args.steps, args.config, args.overrides))
-    print(f"{'mode':<12} {'s/step':>8} {'steps/h':>8} {'sample s':>9} {'trainer s':>10} "
+        for name, (staleness, extra) in modes.items():
+            runs[name].append(time_mode(staleness, args.steps, args.config,
+                                        args.overrides + extra))
+    print(f"{'mode':<18} {'s/step':>8} {'steps/h':>8} {'sample s':>9} {'trainer s':>10} "
           f"{'wait s':>7}")
     mean = {}
     for name, rs in runs.items():
-        m = {k: statistics.fmean(r[k] for r in rs) for k in rs[0]}
+        m = {key: statistics.fmean(r[key] for r in rs) for key in rs[0]}
         mean[name] = m
-        print(f"{name:<12} {m['s_per_step']:8.2f} {3600 / m['s_per_step']:8.0f} "
+        print(f"{name:<18} {m['s_per_step']:8.2f} {3600 / m['s_per_step']:8.0f} "
               f"{m['sample_s']:9.2f} {m['trainer_s']:10.2f} {m['wait_s']:7.2f}")
-    sync, asyn = mean["sync"], mean[f"async k={args.staleness}"]
-    bound = max(asyn["sample_s"], asyn["s_per_step"] - asyn["wait_s"])
-    print(f"steps/hour async / sync: {sync['s_per_step'] / asyn['s_per_step']:.3f}x; "
-          f"async step {asyn['s_per_step']:.2f} s vs its bound max(sampling, trainer) "
-          f"{bound:.2f} s ({asyn['s_per_step'] / bound:.2f}x the bound)")
+    sync = mean["sync"]
+    for name in list(modes)[1:]:
+        asyn = mean[name]
+        bound = max(asyn["sample_s"], asyn["s_per_step"] - asyn["wait_s"])
+        print(f"steps/hour {name} / sync: {sync['s_per_step'] / asyn['s_per_step']:.3f}x; "
+              f"its step {asyn['s_per_step']:.2f} s vs its bound max(sampling, trainer) "
+              f"{bound:.2f} s ({asyn['s_per_step'] / bound:.2f}x the bound)")
     return 0
 
 

@@ -17,10 +17,13 @@ import gspo.preflight as preflight
 import gspo.step as step_mod
 import gspo.trainer as trainer
 from gspo import metrics as M
-from gspo.async_rollouts import AsyncSampler, Batch
+from gspo.async_rollouts import SAMPLER, TRAINER, AsyncSampler, Batch, CoreShare
+from gspo.engines.hf import HFEngine, has_hooks
+from gspo.engines import SamplingParams
 from gspo.config import load_config
 from gspo.errors import TrainingError
 from gspo.logger import read_metrics
+from gspo.models import build_tiny_qwen3, build_tokenizer
 
 
 class VersionEngine:
@@ -101,6 +104,110 @@ def test_evaluation_borrows_the_engine_with_the_current_weights():
         sampler.close()
 
 
+@pytest.mark.parametrize("lend", [True, False])
+def test_a_waiting_thread_lends_its_cores_to_the_other(lend):
+    """CoreShare over 4 threads, sampler 1 / trainer 3: each thread computes with its share
+    while both work; at its first checkpoint after the other starts waiting it takes all 4,
+    and its share again at the first one after the other works again; a sampler that has
+    ended leaves the trainer all 4. lend=False: the shares, always."""
+    threads = torch.get_num_threads()
+    cores = CoreShare(4, {SAMPLER: 1, TRAINER: 3}, lend=lend)
+    seen: list[tuple[str, int]] = []
+    waits, go, back, trainer_waits, lent, done = (threading.Event() for _ in range(6))
+
+    def sampler():
+        cores.join(SAMPLER)
+        seen.append(("sampler works", torch.get_num_threads()))
+        with cores.waiting():
+            waits.set()
+            go.wait(10)
+        seen.append(("sampler works again", torch.get_num_threads()))
+        back.set()
+        trainer_waits.wait(10)
+        cores.adjust()
+        seen.append(("sampler, the trainer waiting", torch.get_num_threads()))
+        lent.set()
+        done.wait(10)
+        cores.adjust()  # the trainer has stopped waiting
+        seen.append(("sampler works, the trainer too", torch.get_num_threads()))
+        cores.leave()
+
+    try:
+        cores.join(TRAINER)
+        seen.append(("trainer works", torch.get_num_threads()))
+        t = threading.Thread(target=sampler)
+        t.start()
+        assert waits.wait(10)
+        cores.adjust()
+        seen.append(("trainer, the sampler waiting", torch.get_num_threads()))
+        go.set()
+        assert back.wait(10)
+        cores.adjust()
+        seen.append(("trainer works, the sampler too", torch.get_num_threads()))
+        with cores.waiting():
+            trainer_waits.set()
+            assert lent.wait(10)
+        seen.append(("trainer works again", torch.get_num_threads()))
+        done.set()
+        t.join(10)
+        cores.adjust()
+        seen.append(("trainer, the sampler ended", torch.get_num_threads()))
+    finally:
+        torch.set_num_threads(threads)
+    all_, s, tr = 4, 1, 3
+    if not lend:
+        all_ = None
+    assert seen == [("trainer works", tr), ("sampler works", s),
+                    ("trainer, the sampler waiting", all_ or tr),
+                    ("sampler works again", s), ("trainer works, the sampler too", tr),
+                    ("sampler, the trainer waiting", all_ or s), ("trainer works again", tr),
+                    ("sampler works, the trainer too", s),
+                    ("trainer, the sampler ended", all_ or tr)]
+
+
+def test_the_trainers_checkpoints_are_each_layers_forward_and_backward():
+    """CoreShare.watch: one checkpoint before each decoder layer's forward and one after its
+    backward (none in a forward without gradients); close removes them, and with lend=False
+    there are none."""
+    model = build_tiny_qwen3(build_tokenizer())
+    n_layers = model.config.num_hidden_layers
+    calls = []
+    cores = CoreShare(2, {SAMPLER: 1, TRAINER: 1})
+    cores.adjust = lambda: calls.append(torch.is_grad_enabled())
+    cores.watch(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 5))
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert len(calls) == n_layers
+    calls.clear()
+    model(input_ids=ids).logits.sum().backward()
+    assert len(calls) == 2 * n_layers and not all(calls)  # the backward's run without grad mode
+    cores.close()
+    assert not has_hooks(model)
+    off = CoreShare(2, {SAMPLER: 1, TRAINER: 1}, lend=False)
+    off.watch(model)
+    assert not has_hooks(model)
+
+
+def test_the_hf_engine_calls_on_step_before_each_forward_of_a_decode():
+    """HFEngine.on_step: called once per forward (the prefill and each decode step), in both
+    decoders, and the samples are those of an engine without it (a module hook would have
+    turned the fast decoder's shared prefill off)."""
+    tok = build_tokenizer()
+    model = build_tiny_qwen3(tok)
+    params = SamplingParams(max_new_tokens=6)
+    prompts = [tok.encode("1+2=")] * 2 + [tok.encode("13+4=")]
+    for fast in (True, False):
+        engine = HFEngine(model, eos_token_ids=[-1], pad_token_id=tok.pad_token_id, fast=fast)
+        plain = engine.generate(prompts, 2, params, seed=3)
+        calls = []
+        engine.on_step = lambda: calls.append(1)
+        hooked = engine.generate(prompts, 2, params, seed=3)
+        assert torch.equal(plain.response_ids, hooked.response_ids)
+        assert torch.equal(plain.logp, hooked.logp)
+        assert len(calls) == params.max_new_tokens  # the prefill and 5 decode steps
+
+
 ASYNC = ["train.eval_every=2", "train.steps=4", "warmup.steps=10"]
 
 
@@ -126,20 +233,27 @@ def same(rows):
             for r in rows]
 
 
-@pytest.mark.parametrize("extra, reward_fn", [([], varied),
-                                              (["rollout.filter_groups=true"], half_constant)])
+FIXED = "rollout.share_cores=false"
+
+
+@pytest.mark.parametrize("extra, reward_fn", [
+    ([FIXED], varied), ([FIXED, "rollout.filter_groups=true"], half_constant), ([], varied)])
 def test_an_async_run_equals_its_sequential_reenactment(tmp_path, tiny_overrides, extra,
                                                         reward_fn):
     """max_staleness=1 against the synchronous step driven by hand, the engine loaded with
-    the weights of one update earlier before each step: the same rows, bit for bit; and a
-    second asynchronous run gives the same (the threads' timing does not matter). With
-    rollout.filter_groups the sampler thread samples in rounds, and the evaluations may
-    borrow the engine between them."""
+    the weights of one update earlier before each step. With fixed thread shares
+    (rollout.share_cores=false): the same rows, bit for bit, and a second asynchronous run
+    gives the same (the threads' timing does not matter). Sharing the cores (the default),
+    a thread computes with 1 or 2 threads as the other's timing has it, which moves a
+    kernel's last bits: the same rows to 1e-4. With rollout.filter_groups the sampler thread
+    samples in rounds, and the evaluations may borrow the engine between them."""
+    exact = FIXED in extra
     threads = torch.get_num_threads()
     try:
         rows = run_async(tmp_path / "a", tiny_overrides, *extra, reward_fn=reward_fn)
-        assert same(run_async(tmp_path / "b", tiny_overrides, *extra,
-                              reward_fn=reward_fn)) == same(rows)
+        if exact:
+            assert same(run_async(tmp_path / "b", tiny_overrides, *extra,
+                                  reward_fn=reward_fn)) == same(rows)
         # the reference: one thread's worth of compute as each async thread had
         torch.set_num_threads(max(1, threads // 2))
         cfg = load_config(overrides=tiny_overrides + ASYNC + extra)
@@ -164,9 +278,14 @@ def test_an_async_run_equals_its_sequential_reenactment(tmp_path, tiny_overrides
     assert rows[0] == {"step": 0, **first}
     assert [r[M.STALENESS] for r in rows[1:]] == [0, 1, 1, 1]
     got = [{k: v for k, v in r.items() if k not in ("step", M.STALENESS)} for r in rows[1:]]
-    assert same(got) == same(ref)
+    if exact:
+        assert same(got) == same(ref)
+    else:
+        assert [sorted(r) for r in same(got)] == [sorted(r) for r in same(ref)]
+        for g, r in zip(same(got), same(ref)):
+            assert g == {k: pytest.approx(v, rel=1e-4, abs=1e-6) for k, v in r.items()}
     assert not torch.equal(weights[0][0][1], weights[1][0][1])  # the updates moved weights
-    if extra:
+    if "rollout.filter_groups=true" in extra:
         assert sum(r[M.EXTRA_PROMPTS] for r in rows[1:]) > 0  # it sampled extra rounds
 
 

@@ -98,7 +98,8 @@ def test_async_rollouts_benchmark_prints_the_ratio_and_the_bound():
          "rollout.max_new_tokens=3", "data.n_train=50", "data.n_eval=4"],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "steps/hour async / sync: " in proc.stdout and "the bound" in proc.stdout
+    assert "steps/hour async k=1 / sync: " in proc.stdout and "the bound" in proc.stdout
+    assert "steps/hour async k=1 fixed / sync: " in proc.stdout
 
 
 def test_profile_step_benchmark_splits_the_step_into_phases(tmp_path):

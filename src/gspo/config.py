@@ -201,6 +201,12 @@ class RolloutConfig:
                               "thread; 0 = half of torch's, the trainer keeping the other half; "
                               "n = n, the trainer keeping all of torch's (oversubscribed where "
                               "the two exceed the cores)", ge=0)
+    share_cores: bool = _f(True, "max_staleness >= 1 on the CPU: while one thread waits for the "
+                           "other (the sampler for new weights, the trainer for a batch), the "
+                           "other computes with all of torch's threads; false = fixed shares "
+                           "(sampler_threads), slower, but a run whose every bit is independent "
+                           "of the threads' timing (a kernel's last bits can depend on its "
+                           "thread count)")
     tensor_parallel_size: int = _f(1, "vllm only: GPUs (ranks of one node) that share one vLLM "
                                    "engine under torchrun; 1 = one engine per rank", ge=1)
     vllm_sleep: bool = _f(False, "vllm only, GPU only: vLLM discards its weights and KV cache "

@@ -26,7 +26,7 @@ import transformers
 
 from gspo import metrics as M
 from gspo import precision
-from gspo.async_rollouts import AsyncSampler
+from gspo.async_rollouts import SAMPLER, TRAINER, AsyncSampler, CoreShare
 from gspo.callbacks import Callbacks
 from gspo.checkpoint import load_checkpoint, read_reference, read_training_state, save_checkpoint
 from gspo.config import Config, save_config, to_dict
@@ -261,20 +261,29 @@ def save_run_config(run: Run) -> None:
 def start_sampler(run: Run) -> None:
     """rollout.max_staleness >= 1: the background sampler (gspo.async_rollouts), from the
     engine's weights, which are the policy's (version run.start_step). On the CPU the two
-    threads share the cores: each computes with half of torch's threads."""
+    threads share the cores (CoreShare): each computes with half of torch's threads (or the
+    sampler with rollout.sampler_threads, the trainer with all) while both work, and with all
+    of them while the other waits."""
     if run.cfg.rollout.max_staleness == 0:
         return
     sampler_threads = run.cfg.rollout.sampler_threads or None
-    if run.dist.device.type == "cpu" and sampler_threads is None:
+    cores = None
+    if run.dist.device.type == "cpu":
         run.threads = torch.get_num_threads()
-        sampler_threads = max(1, run.threads // 2)
-        torch.set_num_threads(max(1, run.threads - sampler_threads))
+        shares = ({SAMPLER: sampler_threads, TRAINER: run.threads} if sampler_threads else
+                  {SAMPLER: max(1, run.threads // 2), TRAINER: max(1, run.threads - run.threads // 2)})
+        cores = CoreShare(run.threads, shares, lend=run.cfg.rollout.share_cores)
+        cores.join(TRAINER)
+        cores.watch(run.model)
+        sampler_threads = shares[SAMPLER]
     log.info("asynchronous rollouts: the sampler computes with %s thread(s), the trainer with "
-             "%d", sampler_threads or torch.get_num_threads(), torch.get_num_threads())
+             "%d%s", sampler_threads or torch.get_num_threads(), torch.get_num_threads(),
+             f" (either with {run.threads} while the other waits)" if run.cfg.rollout.share_cores
+             and cores else "")
     run.sampler = AsyncSampler(run.engine, run.cfg.rollout.max_staleness, run.start_step,
                                policy_weights(run.policy, run.model),
                                lambda step, hold: sample_batch(run, step, hold),
-                               sampler_threads)
+                               sampler_threads, cores)
 
 
 def rl_loop(run: Run, resume: bool, logger: MetricsLogger,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from transformers import DynamicCache
@@ -95,6 +95,10 @@ class HFEngine:
         pad = pad_token_id if pad_token_id is not None else model.config.pad_token_id
         self.pad_token_id = pad if pad is not None else self.eos_token_ids[0]
         self.fast = fast
+        # called before each forward of a decode (the asynchronous sampler's `CoreShare` takes
+        # its thread count there): a plain attribute, not a module hook, which would turn off
+        # the fast decoder's shared prefill (see has_hooks)
+        self.on_step: Callable[[], None] | None = None
         self._cache_kwarg = cache_kwarg(model)
         params = inspect.signature(model.forward).parameters
         self._keep_kwarg = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
@@ -138,6 +142,8 @@ class HFEngine:
         return Rollouts(**{k: v.clone() for k, v in vars(rollouts).items() if v is not None})
 
     def _forward(self, ids, mask, cache):
+        if self.on_step is not None:
+            self.on_step()
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -217,6 +223,8 @@ class HFEngine:
                 keep = alive.nonzero().squeeze(1)
                 rows, token, pos, alive = rows[keep], token[keep], pos[keep], alive[keep]
                 dec.keep(keep)
+            if self.on_step is not None:
+                self.on_step()
             logits = dec.step(token, pos, Lp + step)
             pos = pos + 1
         return Rollouts(
