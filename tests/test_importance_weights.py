@@ -48,6 +48,62 @@ def test_sequence_and_geometric_weights():
     torch.testing.assert_close(masked, torch.tensor([0.0, 1.0], dtype=torch.float64))
 
 
+def test_relative_weights_are_what_the_correction_leaves_of_the_ratio():
+    # for an objective whose ratio is already w (pi_old = the engine's): truncate gives
+    # bounded(w) / w, mask 1 or 0. Row 0: e^0.5 kept (1), e^-1 raised to 0.5 (0.5 / e^-1),
+    # e^2 capped at 2 (2 / e^2), padding 1; row 1 within the bounds throughout
+    w = importance_weights(LOGP, ENGINE, MASK, "truncate", "token", cap=2.0, floor=0.5,
+                           relative=True)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 0.5 * E(1), 2 * E(-2), 1.0],
+                                                [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64))
+    m = importance_weights(LOGP, ENGINE, MASK, "mask", "token", cap=2.0, floor=0.5,
+                           relative=True)
+    torch.testing.assert_close(m, torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0] * 4],
+                                               dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name, level, correction", [
+    ("gspo", "geometric", "truncate"), ("gspo", "geometric", "mask"),
+    ("grpo", "token", "truncate"), ("grpo", "token", "mask")])
+def test_the_correction_on_engine_log_probs_equals_it_on_a_recomputed_pi_old(name, level,
+                                                                            correction):
+    """old_logprobs=rollout (the ratio against the engine, relative weights from the current
+    policy) against old_logprobs=recompute at its first minibatch (pi_old = the current policy,
+    the weights against the engine): the same loss and gradient, where the objective clips
+    nothing (wide bounds) and the weights are on the objective's own scale (GSPO's ratio is
+    geometric: with is_level=sequence the two modes weight by different ratios). One token with a log-ratio of 0.1 and a cap of 2: the gradient's
+    factor is e^0.1 (it was e^0.2: the ratio counted twice); a cap of 1.05 makes it 1.05."""
+    torch.manual_seed(1)
+    B, T = 4, 5
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 3:] = 0
+    logp = -torch.rand(B, T, dtype=torch.float64)
+    engine = logp + 0.2 * torch.randn(B, T, dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    spec = OBJECTIVES[name]
+    raw = importance_weights(logp, engine, mask, "truncate", level, cap=1e6)
+    real = raw[mask > 0] if raw.dim() == 2 else raw
+    floor, cap = float(real.quantile(0.2)), float(real.quantile(0.8))
+    settings = spec.settings(10.0, 10.0, None, T)  # wide: the objective clips nothing
+    losses, grads = [], []
+    for old, relative in ((engine, True), (logp.detach(), False)):
+        lp = logp.clone().requires_grad_()
+        w = importance_weights(lp, engine, mask, correction, level, cap=cap, floor=floor,
+                               relative=relative)
+        loss, _ = spec(lp, old, adv, mask, is_weights=w, **settings)
+        losses.append(loss)
+        grads.append(torch.autograd.grad(loss, lp)[0])
+    torch.testing.assert_close(losses[0], losses[1])
+    torch.testing.assert_close(grads[0], grads[1])
+    one = torch.ones(1, 1, dtype=torch.float64)
+    for cap, factor in ((2.0, E(0.1)), (1.05, 1.05)):
+        lp = (-0.9 * one).requires_grad_()
+        w = importance_weights(lp, -one, one, "truncate", "token", cap=cap, relative=True)
+        loss, _ = OBJECTIVES["grpo"](lp, -one, one[0], one, is_weights=w,
+                                     **OBJECTIVES["grpo"].settings(0.2, 0.27, None, 1))
+        assert -float(torch.autograd.grad(loss, lp)[0]) == pytest.approx(factor)
+
+
 def test_a_long_sequence_cannot_overflow_before_the_bound():
     huge = importance_weights(torch.full((1, 4), 100.0), torch.zeros(1, 4), torch.ones(1, 4),
                               "truncate", "sequence", cap=3.0)

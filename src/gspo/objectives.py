@@ -418,7 +418,8 @@ IS_LEVELS = ("token", "sequence", "geometric")
 
 
 def importance_weights(logp: Tensor, rollout_logp: Tensor, mask: Tensor, correction: str,
-                       level: str, cap: float, floor: float = 0.0) -> Tensor:
+                       level: str, cap: float, floor: float = 0.0,
+                       relative: bool = False) -> Tensor:
     """Off-policy correction weights for responses sampled by another engine (or by older
     weights): the rollout engine's likelihoods (rollout_logp) against the trainer's (logp).
 
@@ -429,6 +430,10 @@ def importance_weights(logp: Tensor, rollout_logp: Tensor, mask: Tensor, correct
                "mask":     w where floor <= w <= cap, else 0 (the term leaves the loss).
     A constant (no gradient). Padded positions get weight 1 (token level). Sequence weights
     are bounded in log space, so a long response cannot overflow exp before the cap applies.
+
+    relative: what the correction leaves of w, for an objective whose ratio is already against
+    the rollout engine (pi_old = pi_rollout, old_logprobs=rollout): truncate min(max(w, floor),
+    cap) / w, mask 1 or 0; times that ratio, the total is the correction's, not w twice.
     """
     mask = _check_inputs(logp, rollout_logp, mask, None, 0.0, 0.0)
     if correction not in IS_CORRECTIONS[1:]:
@@ -447,9 +452,11 @@ def importance_weights(logp: Tensor, rollout_logp: Tensor, mask: Tensor, correct
         log_w = delta.sum(-1) / mask.sum(-1)  # (B,)
     log_cap, log_floor = math.log(cap), (math.log(floor) if floor > 0 else -math.inf)
     if correction == "truncate":
-        return torch.exp(log_w.clamp(min=log_floor, max=log_cap))
+        bounded = log_w.clamp(min=log_floor, max=log_cap)
+        return torch.exp(bounded - log_w if relative else bounded)
     keep = (log_w <= log_cap) & (log_w >= log_floor)
-    return torch.where(keep, torch.exp(log_w.clamp(max=log_cap)), torch.zeros_like(log_w))
+    kept = torch.ones_like(log_w) if relative else torch.exp(log_w.clamp(max=log_cap))
+    return torch.where(keep, kept, torch.zeros_like(log_w))
 
 
 def importance_weight_metrics(w: Tensor, mask: Tensor) -> Metrics:

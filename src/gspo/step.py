@@ -545,11 +545,14 @@ def micro_loss(run: Run, r: Rollouts, idx, logp, old_logp, ref_logp, adv, object
     a, mask = run.cfg.algorithm, r.response_mask[idx]
     weights = None
     if a.is_correction != "none":
-        # between the engine that sampled and the trainer: pi_old where it was recomputed,
-        # else the current policy (exact at the first minibatch, no recompute pass)
-        trainer_logp = old_logp[idx] if a.old_logprobs == "recompute" else logp.detach()
+        # between the engine that sampled and the trainer: pi_old where it was recomputed;
+        # else the current policy, whose ratio against the engine the objective already
+        # takes (pi_old is the engine's): the weight is then what truncation or masking
+        # leaves of that ratio, not the ratio a second time
+        rollout = a.old_logprobs == "rollout"
+        trainer_logp = logp.detach() if rollout else old_logp[idx]
         weights = importance_weights(trainer_logp, r.logp[idx], mask, a.is_correction,
-                                     a.is_level, a.is_cap, a.is_floor)
+                                     a.is_level, a.is_cap, a.is_floor, relative=rollout)
     loss, metrics = objective(logp, old_logp[idx], adv[idx], mask, denom=denom,
                               is_weights=weights)
     if a.beta > 0:
