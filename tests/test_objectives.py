@@ -9,10 +9,12 @@ never call the code under test.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 
+from gspo.distributed import Dist
 from gspo.objectives import (
     OBJECTIVES,
     group_advantages,
@@ -22,6 +24,7 @@ from gspo.objectives import (
     kl_k3,
     sequence_log_ratio,
 )
+from gspo.step import whole_batch_std
 
 F64 = torch.float64
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
@@ -984,6 +987,32 @@ def test_group_advantages_batch_scale_hand_computed():
     want = torch.tensor([a, -a, -a, a, 0, 0, 0, 0, b, -b, 0, 0])
     torch.testing.assert_close(group_advantages(rewards, 4, scale="batch"), want,
                                rtol=1e-6, atol=1e-6)
+
+
+def test_group_advantages_batch_scale_over_ranks_equals_one_process():
+    """advantage_scale=batch with the batch split over 2 ranks: each rank's std over its own
+    share would give rank 0 +-0.866 and rank 1 +-1.0 here, one process +-0.966; with the
+    whole batch's std (whole_batch_std, the sum of each rank's zero-padded share) each rank
+    gets one process's advantages, bit for bit."""
+    @dataclass(frozen=True)
+    class WithOtherRank(Dist):  # the sum over ranks: this rank's values plus the other's
+        other: tuple = ()
+
+        def sum(self, values):
+            return [a + b for a, b in zip(values, self.other)]
+
+    r = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0])
+    shares = [r[:4], r[4:]]
+    padded = [s.tolist() + [0.0] * 4 for s in shares[:1]] + [[0.0] * 4 + shares[1].tolist()]
+    whole = group_advantages(r, 2, "batch")
+    for rank in (0, 1):
+        d = WithOtherRank(rank=rank, world=2, other=tuple(padded[1 - rank]))
+        std = whole_batch_std(shares[rank], d)
+        assert torch.equal(std, r.std())
+        got = group_advantages(shares[rank], 2, "batch", std)
+        assert torch.equal(got, whole[4 * rank:4 * rank + 4])
+        assert not torch.allclose(group_advantages(shares[rank], 2, "batch"), got)
+    assert whole_batch_std(r, Dist()) is None  # one process: its own std
 
 
 def test_group_advantages_none_scale_is_dr_grpo():

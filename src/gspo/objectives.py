@@ -81,7 +81,8 @@ def _masked(x: Tensor, mask: Tensor) -> Tensor:
 # advantages and ratios
 
 
-def group_advantages(rewards: Tensor, group_size: int, scale: str = "group") -> Tensor:
+def group_advantages(rewards: Tensor, group_size: int, scale: str = "group",
+                     batch_std: Tensor | None = None) -> Tensor:
     """Group-normalised advantages, one per response.
 
         A_i = (r_i - mean_{j in group(i)} r_j) / std          (paper, eq. for GSPO and GRPO)
@@ -90,6 +91,8 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group") -> 
     scale:   "group" - std over the response's own group (the paper);
              "batch" - std over the whole batch (group mean still subtracted);
              "none"  - no division (Dr.GRPO).
+    batch_std: "batch" where `rewards` are one rank's share of the batch: the std over all of
+    it (gspo.step.whole_batch_std), so that the advantages do not depend on the ranks.
     std is the unbiased sample std (torch's default, correction=1). Where it is below 1e-6
     (all rewards of the group equal) the advantage is 0, never NaN; a group of one response
     likewise gets 0. Returns (B,) in the rewards' floating dtype.
@@ -112,7 +115,7 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group") -> 
     if scale == "group":
         std = r.std(-1, keepdim=True)  # (P, 1)
     else:
-        std = rewards.std().expand(r.shape[0], 1)
+        std = (rewards.std() if batch_std is None else batch_std.to(rewards)).expand(r.shape[0], 1)
     adv = torch.where(std > _STD_FLOOR, centred / std.clamp_min(_STD_FLOOR), torch.zeros_like(r))
     return adv.flatten()
 

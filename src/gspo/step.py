@@ -217,7 +217,9 @@ def consume(run: Run, step: int, batch: Batch, times: dict[str, float]) -> dict[
                     cfg.rollout.max_new_tokens)  # (B,) bool
     trained, penalty = shaped_rewards(run, rollouts, rewards)
     keep = ~cut if cfg.algorithm.overlong == "mask" else None
-    adv = group_advantages(trained, cfg.rollout.group_size, cfg.algorithm.advantage_scale)
+    scale = cfg.algorithm.advantage_scale
+    adv = group_advantages(trained, cfg.rollout.group_size, scale,
+                           whole_batch_std(trained, d) if scale == "batch" else None)
     # ---- pi_old (and pi_ref)
     with _phase(run, step, "old_logp", times):
         old_logp, entropy, mismatch = old_policy(run, rollouts, step)
@@ -533,6 +535,18 @@ def micro_batches(run: Run, r: Rollouts, policy, rows: torch.Tensor | None = Non
                     "bound every forward by the budget (said once)", budget, len(over), longest,
                     r.prompt_ids.shape[1], longest)
     return [rows[torch.tensor(p)] for p in parts]
+
+
+def whole_batch_std(values: torch.Tensor, d: Dist) -> torch.Tensor | None:
+    """The std of every rank's `values` (B,) together, in rank order: one process's batch
+    split over ranks gives one process's std, bit for bit (a sum over ranks of vectors that
+    are zero outside each rank's share is exact). None in one process."""
+    if not d.enabled:
+        return None
+    B = values.numel()
+    whole = [0.0] * (B * d.world)
+    whole[d.rank * B:(d.rank + 1) * B] = values.tolist()
+    return torch.tensor(d.sum(whole), dtype=values.dtype).std()
 
 
 def micro_loss(run: Run, r: Rollouts, idx, logp, old_logp, ref_logp, adv, objective,
