@@ -44,6 +44,16 @@ def test_a_buffer_as_long_as_the_budget_is_a_config_error():
                                "algorithm.overlong_buffer=8"])
 
 
+def test_a_default_buffer_of_zero_tokens_is_a_config_error():
+    """The default buffer is a quarter of the budget: 0 tokens below 4, which the penalty
+    refuses only at the first step, after any warm-up; 3 tokens with a buffer of 1 is fine."""
+    with pytest.raises(ConfigError, match=r"default buffer.*is 0 tokens: set "
+                                          r"algorithm.overlong_buffer between 1 and 2"):
+        load_config(overrides=["rollout.max_new_tokens=3", "algorithm.overlong=soft_penalty"])
+    load_config(overrides=["rollout.max_new_tokens=3", "algorithm.overlong=soft_penalty",
+                           "algorithm.overlong_buffer=1"])
+
+
 def _gradients(run, r, adv, keep):
     """The gradient of one update (minibatches=1): the sum over its micro-batches, captured as
     it accumulates."""

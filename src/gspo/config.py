@@ -562,6 +562,12 @@ def resolve(cfg: Config) -> Config:
         raise ConfigError(f"algorithm.overlong_buffer={a.overlong_buffer} must be below "
                           f"rollout.max_new_tokens={r.max_new_tokens} (the penalty starts that "
                           f"many tokens before the budget ends)")
+    if a.overlong == "soft_penalty" and not a.overlong_buffer and r.max_new_tokens < 4:
+        fix = (f"set algorithm.overlong_buffer between 1 and {r.max_new_tokens - 1}, or "
+               if r.max_new_tokens > 1 else "")
+        raise ConfigError(f"algorithm.overlong=soft_penalty's default buffer, a quarter of "
+                          f"rollout.max_new_tokens={r.max_new_tokens}, is 0 tokens: {fix}"
+                          f"raise rollout.max_new_tokens to 4 or more")
     if a.is_correction != "none" and a.is_level == "token" and not spec.token_advantages:
         raise ConfigError(f"algorithm.is_level=token gives per-token weights, but {a.name} has "
                           f"one advantage per sequence; use is_level=sequence or geometric, or "
