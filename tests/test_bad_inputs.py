@@ -138,6 +138,16 @@ def test_model_paths_that_cannot_be_trained(tmp_path, capsys, monkeypatch):
                          intermediate_size=64, vocab_size=100)).save_pretrained(bert)
     fails_cleanly(capsys, "train", "--output-dir", run, *QUICK, f"model.name_or_path={bert}",
                   says="bert")
+    # a model that soft-caps its logits (Gemma 2): gspo's log-probs would not be its policy's
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    gemma = tmp_path / "gemma2"
+    tok = build_tokenizer()
+    Gemma2ForCausalLM(Gemma2Config(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, intermediate_size=64, vocab_size=len(tok))).save_pretrained(gemma)
+    tok.save_pretrained(gemma)
+    fails_cleanly(capsys, "train", "--output-dir", run, *QUICK, f"model.name_or_path={gemma}",
+                  says="(config.final_logit_softcapping=30.0)")
     # a real model directory too big for this machine: refused from its config.json alone
     tok = build_tokenizer()
     huge = tmp_path / "huge"

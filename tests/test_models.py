@@ -328,3 +328,17 @@ def test_an_encoder_model_is_refused_naming_its_architecture(tmp_path):
                                num_attention_heads=2, intermediate_size=64)).save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="holds a BertForMaskedLM, not a causal"):
         load_model(str(tmp_path))
+
+
+def test_the_logit_transforms_training_refuses_are_named_from_real_configs():
+    """Gemma 2 soft-caps its logits, Cohere scales them, Granite and Falcon-H1 where set;
+    Gemma 3 (no cap by default), Granite at 1.0, Qwen3 and Llama do nothing after the head."""
+    import transformers as tf
+
+    from gspo.logprobs import logit_transform
+    assert logit_transform(tf.Gemma2Config()) == "final_logit_softcapping=30.0"
+    assert logit_transform(tf.CohereConfig()) == "logit_scale=0.0625"
+    assert logit_transform(tf.GraniteConfig(logits_scaling=8.0)) == "logits_scaling=8.0"
+    assert logit_transform(tf.FalconH1Config(lm_head_multiplier=0.5)) == "lm_head_multiplier=0.5"
+    for neutral in (tf.Gemma3TextConfig(), tf.GraniteConfig(), tf.Qwen3Config(), tf.LlamaConfig()):
+        assert logit_transform(neutral) is None

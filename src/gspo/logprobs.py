@@ -7,8 +7,9 @@
 - `decoder_hidden`: rows that share a prompt (the G responses of a group) run the prompt through
   the decoder once.
 
-What is left out: logit soft-capping / logit scaling of models that have them (Gemma-2, Cohere):
-`token_logprobs` applies the plain output embedding, which is what Qwen3, Llama and Mistral do.
+What is left out: logit soft-capping / logit scaling of models that have them (Gemma-2, Cohere,
+Granite, Falcon-H1): `token_logprobs` applies the plain output embedding, which is what Qwen3,
+Llama and Mistral do; `logit_transform` names such a model's setting, and training refuses it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,22 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+
+# config fields by which a model's forward changes its logits after the output embedding, and
+# the value that changes nothing
+LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0,
+                    "logits_scaling": 1.0, "lm_head_multiplier": 1.0}
+
+
+def logit_transform(config) -> str | None:
+    """`field=value` where the model's config transforms its logits in a way token_logprobs
+    does not (see the module's docstring), else None."""
+    for field, neutral in LOGIT_TRANSFORMS.items():
+        value = getattr(config, field, neutral)
+        if value is not None and value != neutral:
+            return f"{field}={value}"
+    return None
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

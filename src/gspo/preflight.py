@@ -31,6 +31,7 @@ from gspo.distributed import Dist, fsdp_available
 from gspo.engines import engine_class, engine_settings, engines_with
 from gspo.errors import TrainingError
 from gspo.logger import METRICS_FILE, check_resumable
+from gspo.logprobs import logit_transform
 from gspo.models import build_tiny_qwen3, build_tiny_qwen3_moe, build_tokenizer, load_model
 from gspo.rewards import RewardFn, close_reward
 from gspo.runrecord import check_resume, check_rows, make_record
@@ -302,6 +303,14 @@ def build_model(cfg: Config, device: torch.device | str = "cpu", weights: bool =
         model, tokenizer = load_model(m.name_or_path, dtype=precision.dtype_name(dtype),
                                       weights=weights,
                                       full_training=training and not m.lora_rank)
+        transform = logit_transform(model.config) if training else None
+        if transform:
+            raise TrainingError(
+                f"{m.name_or_path} transforms its logits after the output layer "
+                f"(config.{transform}), which gspo's log-probs do not apply yet: the trainer's "
+                f"policy would not be the one that samples. Train a model without it (Qwen3, "
+                f"Llama, Mistral, SmolLM2); `gspo eval` samples with the model's own forward "
+                f"and runs it as is")
         if not weights:
             return model, tokenizer  # on the meta device, in the weights' dtype
     return model.to(device=device, dtype=dtype), tokenizer
