@@ -376,6 +376,24 @@ def test_vllms_bfloat16_is_warned_about_as_the_hf_engines(monkeypatch):
                        for w in gspo.preflight.setting_warnings(cfg, on_cpu=False))
 
 
+def test_engine_log_probs_after_top_p_as_pi_old_are_warned():
+    """vLLM returns the log-probs of the top-p truncated distribution (logp_before_top_p is
+    False): as pi_old with top_p < 1 they sit above the policy's. The hf engine's are the
+    policy's; a recomputed pi_old or top_p=1 is fine."""
+    import gspo.preflight
+
+    def warned(*overrides):
+        cfg = load_config(overrides=list(overrides))
+        return [w for w in gspo.preflight.setting_warnings(cfg) if "top-p truncated" in w]
+    (w,) = warned("rollout.engine=vllm", "rollout.top_p=0.9", "algorithm.old_logprobs=rollout")
+    assert w.startswith("rollout.top_p=0.9 with algorithm.old_logprobs=rollout: "
+                        "rollout.engine=vllm returns")
+    assert w.endswith("use algorithm.old_logprobs=recompute or rollout.top_p=1")
+    assert not warned("rollout.engine=hf", "rollout.top_p=0.9", "algorithm.old_logprobs=rollout")
+    assert not warned("rollout.engine=vllm", "rollout.top_p=0.9")
+    assert not warned("rollout.engine=vllm", "algorithm.old_logprobs=rollout")
+
+
 def test_the_bf16_check_agrees_with_the_cpus_own_flags():
     flags = Path("/proc/cpuinfo")
     if not flags.is_file() or "flags" not in flags.read_text():

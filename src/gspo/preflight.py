@@ -185,6 +185,14 @@ def setting_warnings(cfg: Config, on_cpu: bool = False,
         out.append(f"{' and '.join(bf16)} on a CPU without bf16 instructions (x86: AVX512-BF16 "
                    f"or AMX): its bf16 matmuls are emulated ({BF16_SLOW_CPU_MEASURED}); use "
                    f"{' '.join(fixes)} on this machine")
+    r = cfg.rollout
+    if (r.top_p < 1 and a.old_logprobs == "rollout"
+            and not getattr(engine_class(r.engine), "logp_before_top_p", True)):
+        out.append(f"rollout.top_p={r.top_p:g} with algorithm.old_logprobs=rollout: "
+                   f"rollout.engine={r.engine} returns the log-probs of the top-p truncated "
+                   f"distribution, renormalised over the nucleus, above the policy's own: pi_old "
+                   f"is too high and every ratio too low; use algorithm.old_logprobs=recompute "
+                   f"or rollout.top_p=1")
     return out
 
 

@@ -172,6 +172,11 @@ class RolloutEngine(Protocol):
     tensor_parallel: bool
     """Whether rollout.tensor_parallel_size > 1 can split one engine over several ranks."""
 
+    logp_before_top_p: bool
+    """Whether `Rollouts.logp` is taken before top-p truncation, as the contract asks (see
+    Rollouts); an engine that returns the truncated distribution's says False, and a run with
+    top_p < 1 and its log-probs as pi_old is warned."""
+
     @classmethod
     def settings(cls, rollout, routing_replay: bool = False) -> EngineSettings:
         """Its options and memory profile from a RolloutConfig (the engine's own rollout.* keys)

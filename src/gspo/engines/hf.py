@@ -81,6 +81,7 @@ class HFEngine:
     single_process = False
     requires = None
     tensor_parallel = False
+    logp_before_top_p = True
 
     @classmethod
     def settings(cls, rollout, routing_replay: bool = False) -> EngineSettings:

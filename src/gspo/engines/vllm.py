@@ -105,6 +105,7 @@ class VLLMEngine:
     single_process = False  # under torchrun: one engine per rank (TP groups within a node)
     requires = "vllm"
     tensor_parallel = True
+    logp_before_top_p = False  # logprobs_mode="processed_logprobs": after temperature and top-p
 
     @classmethod
     def settings(cls, rollout, routing_replay: bool = False) -> EngineSettings:
