@@ -296,6 +296,24 @@ def test_a_wrong_resume_leaves_the_run_as_it_was(tmp_path, capsys, finished_run,
     assert snapshot(run) == before
 
 
+def test_a_checkpoint_or_the_checkpoints_dir_given_as_the_run_is_refused(tmp_path, capsys,
+                                                                        finished_run):
+    """--resume RUN/checkpoints/step_N trained inside the checkpoint (appending to its
+    metrics.jsonl, nesting checkpoints in it), and the next resume of RUN found it damaged;
+    --resume RUN/checkpoints and a new run there nested a second run. All refused, naming RUN;
+    nothing of the run changes."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = snapshot(run)
+    step = sorted((run / "checkpoints").glob("step_*"))[-1]
+    for args in (["--resume", str(step), "train.steps=3"],
+                 ["--resume", str(run / "checkpoints"), "train.steps=3"],
+                 ["--output-dir", str(step / "more"), *QUICK],
+                 ["--dry-run", "--output-dir", str(step), *QUICK]):
+        fails_cleanly(capsys, "train", *args, says=f"--resume {run}")
+    assert snapshot(run) == before
+
+
 # ---- a resume that would train something else: refused, the run left as it was
 
 def length_reward(completion: str, **_) -> float:

@@ -292,6 +292,11 @@ def _fsync_dir(path: Path) -> None:
 # ---------------------------------------------------------------------------- find
 
 
+def is_step_dir(path: Path) -> bool:
+    """Whether `path` is named as a checkpoint (step_N)."""
+    return bool(_STEP_RE.match(path.name))
+
+
 def latest_checkpoint(path: str | os.PathLike, verify: bool = False) -> Path | None:
     """Newest complete checkpoint under a run dir, its checkpoints dir, or a checkpoint dir.
 

@@ -33,8 +33,16 @@ def unusable(run_dir: Path, why: str) -> TrainingError:
 
 def check_run_dir(run_dir: str | os.PathLike) -> None:
     """Without writing anything: TrainingError unless `run_dir` is a directory this process can
-    write, or one it can create (its nearest existing parent a writable directory)."""
+    write, or one it can create (its nearest existing parent a writable directory), and not a
+    run's checkpoints directory or a checkpoint, or inside one (a run there would write into
+    finished checkpoints and break their manifests)."""
     run_dir = Path(run_dir)
+    run = _run_holding(run_dir.absolute())
+    if run is not None:
+        raise TrainingError(f"{run_dir} holds checkpoints of the run {run}, or is one: a run "
+                            f"there would write into them; to continue that run pass its "
+                            f"directory, --resume {run}, or start a new one in another "
+                            f"--output-dir")
     try:
         path = run_dir.absolute()
         too_long = [p for p in path.parts if len(os.fsencode(p)) > 255]
@@ -53,6 +61,19 @@ def check_run_dir(run_dir: str | os.PathLike) -> None:
                                     f"read-only filesystem)")
     except OSError as e:
         raise unusable(run_dir, e.strerror or str(e)) from None
+
+
+def _run_holding(path: Path) -> Path | None:
+    """The run directory whose checkpoints `path` is, or is in (None: not such a path)."""
+    from gspo.checkpoint import CHECKPOINTS_DIR, LATEST_FILE, is_step_dir
+
+    if path.name == CHECKPOINTS_DIR and path.is_dir() and (
+            (path / LATEST_FILE).exists() or any(is_step_dir(p) for p in path.iterdir())):
+        return path.parent
+    for p in (path, *path.parents):
+        if is_step_dir(p) and p.parent.name == CHECKPOINTS_DIR:
+            return p.parent.parent
+    return None
 
 
 @contextmanager
