@@ -123,6 +123,22 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_checkpoints(tmp_path, tiny_
     assert latest_checkpoint(tmp_path / "run").name == "step_000001"
 
 
+def test_weights_an_absurd_lr_broke_stop_the_run_naming_the_lr(tmp_path, tiny_overrides):
+    """optim.lr=1e30: the first update makes the weights overflow, and the next forward's
+    log-probs are NaN; the run stops with a TrainingError naming the lr, not the objective's
+    ValueError (a traceback in the CLI). The same for a warm-up at warmup.lr=1e30."""
+    varied = lambda completion, **_: float(len(completion) % 3)  # noqa: E731
+    cfg = load_config(overrides=tiny_overrides + ["train.steps=2", "warmup.steps=0",
+                                                  "optim.lr=1e30", "train.eval_every=0"])
+    with pytest.raises(TrainingError, match=r"contains NaN at RL step \d: the policy's weights "
+                                            r"are no longer finite; lower optim.lr \(now 1e\+30\)"):
+        train(cfg, tmp_path / "rl", reward_fn=varied)
+    cfg = load_config(overrides=tiny_overrides + ["warmup.steps=3", "warmup.lr=1e30"])
+    with pytest.raises(TrainingError, match=r"the warm-up's loss is nan after 3 steps: .* lower "
+                                            r"warmup.lr \(now 1e\+30\)"):
+        train(cfg, tmp_path / "warm")
+
+
 def test_missing_model_path_is_a_clear_error(tmp_path, tiny_overrides):
     from gspo.models import ModelLoadError
 

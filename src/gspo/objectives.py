@@ -41,9 +41,13 @@ AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 # validation
 
 
+class NonFiniteError(ValueError):
+    """A NaN among an objective's inputs (the trainer names the step and the fix)."""
+
+
 def _check_finite(name: str, x: Tensor) -> None:
     if torch.isnan(x).any():
-        raise ValueError(f"{name} contains NaN; check the log-probs/rewards that produced it")
+        raise NonFiniteError(f"{name} contains NaN; check the log-probs/rewards that produced it")
 
 
 def _check_inputs(logp: Tensor, old_logp: Tensor, mask: Tensor, adv: Tensor | None,

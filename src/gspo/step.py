@@ -33,8 +33,8 @@ from gspo.engines import Rollouts, SamplingParams, stop_token_ids
 from gspo.errors import TrainingError
 from gspo.metrics import WeightedMean
 from gspo.group_filter import Round, extra_prompts, fill, merge
-from gspo.objectives import (OBJECTIVES, engine_mismatch, group_advantages, importance_weights,
-                             kl_k3, overlong_penalty, varying_groups)
+from gspo.objectives import (OBJECTIVES, NonFiniteError, engine_mismatch, group_advantages,
+                             importance_weights, kl_k3, overlong_penalty, varying_groups)
 from gspo.packing import pack_by_tokens
 from gspo.run import Run, policy_weights
 from gspo.signals import StopRequest
@@ -220,20 +220,26 @@ def consume(run: Run, step: int, batch: Batch, times: dict[str, float]) -> dict[
     scale = cfg.algorithm.advantage_scale
     adv = group_advantages(trained, cfg.rollout.group_size, scale,
                            whole_batch_std(trained, d) if scale == "batch" else None)
-    # ---- pi_old (and pi_ref)
-    with _phase(run, step, "old_logp", times):
-        old_logp, entropy, mismatch = old_policy(run, rollouts, step)
-        ref_logp = (policy_logprobs(run.ref_policy, rollouts, cfg.rollout.temperature,
-                                    micro_batches(run, rollouts, run.ref_policy),
-                                    cfg.model.logprob_chunk_size)
-                    if run.ref_policy else None)
-    # ---- minibatch updates, then the new weights to whoever samples next
-    with _phase(run, step, "update", times):
-        m = update(run, rollouts, old_logp, ref_logp, adv, keep)
-        if run.sampler is None:
-            run.engine.load_weights(policy_weights(run.policy, run.model))
-        else:  # version step + 1, for the batch of step + 1 + max_staleness
-            run.sampler.publish(step + 1, policy_weights(run.policy, run.model))
+    try:
+        # ---- pi_old (and pi_ref)
+        with _phase(run, step, "old_logp", times):
+            old_logp, entropy, mismatch = old_policy(run, rollouts, step)
+            ref_logp = (policy_logprobs(run.ref_policy, rollouts, cfg.rollout.temperature,
+                                        micro_batches(run, rollouts, run.ref_policy),
+                                        cfg.model.logprob_chunk_size)
+                        if run.ref_policy else None)
+        # ---- minibatch updates, then the new weights to whoever samples next
+        with _phase(run, step, "update", times):
+            m = update(run, rollouts, old_logp, ref_logp, adv, keep)
+            if run.sampler is None:
+                run.engine.load_weights(policy_weights(run.policy, run.model))
+            else:  # version step + 1, for the batch of step + 1 + max_staleness
+                run.sampler.publish(step + 1, policy_weights(run.policy, run.model))
+    except NonFiniteError as e:  # weights an earlier update (or the warm-up) broke
+        what = str(e).split(";")[0]  # "logp contains NaN"
+        raise TrainingError(f"{what} at RL step {step + 1}: the policy's weights are no longer "
+                            f"finite; lower optim.lr (now {cfg.optim.lr:g}) or warmup.lr; the "
+                            f"last finished checkpoint is kept") from None
     m.update(run.routing.step_metrics(
         lambda route: policy_logprobs(run.policy, rollouts, cfg.rollout.temperature,
                                       micro_batches(run, rollouts, run.policy),

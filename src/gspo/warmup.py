@@ -4,6 +4,7 @@ it (when it runs, its checkpoint, a stop part-way) is gspo.trainer.run_warmup.""
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Callable
 
@@ -14,6 +15,7 @@ from gspo.config import Config
 from gspo.data import encode_prompts
 from gspo.distributed import Dist, load_optimizer_state
 from gspo.engines import left_pad, right_pad
+from gspo.errors import TrainingError
 from gspo.logger import progress
 from gspo.optim import build_optimizer
 from gspo.signals import StopRequest
@@ -60,5 +62,9 @@ def warmup(policy, model, tokenizer, rows: list[dict], solution, cfg: Config, d:
         opt.zero_grad(set_to_none=True)
         precision.backward(loss, scaler)
         precision.step(opt, model.parameters(), cfg.optim.grad_clip, scaler)
-    return d.sum([float(loss.detach()) / d.world])[0]
+    final = d.sum([float(loss.detach()) / d.world])[0]
+    if w.steps > start and not math.isfinite(final):
+        raise TrainingError(f"the warm-up's loss is {final} after {w.steps} steps: its updates "
+                            f"broke the weights; lower warmup.lr (now {w.lr:g})")
+    return final
 
