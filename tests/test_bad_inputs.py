@@ -197,6 +197,12 @@ def test_missing_data_and_a_prompt_longer_than_the_context(tmp_path, capsys):
     path = write(tmp_path / "long.jsonl", "\n".join(json.dumps(r) for r in rows))
     fails_cleanly(capsys, "train", "--output-dir", str(tmp_path / "r2"), *QUICK, "data.task=math",
                   f"data.path={path}", "data.n_eval=2", says="do not fit the model's context")
+    # a budget that leaves no room for any prompt names the budget, not the prompts (skipping
+    # them, as the prompts' message advises, left 0 rows)
+    fails_cleanly(capsys, "train", "--dry-run", *QUICK, "rollout.max_new_tokens=600",
+                  says="none of the 64 training prompts fits (the shortest has")
+    fails_cleanly(capsys, "train", "--dry-run", *QUICK, "rollout.max_new_tokens=600",
+                  says="set rollout.max_new_tokens to at most 4")
 
 
 @pytest.mark.parametrize("n_rows, args, says", [

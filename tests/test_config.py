@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -250,3 +251,52 @@ def test_config_imports_and_prints_help_without_torch():
     code = "import sys, gspo.config as c; c.help_text(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_text_override_is_taken_as_typed():
+    """A text field's override is its text, not YAML: a colon made it a mapping, 'no' a bool,
+    '{prompt}' a mapping; a quoted value loses its quotes; other fields parse as YAML."""
+    cfg = load_config(overrides=["data.system_prompt=Note: be brief",
+                                 "data.prompt_template=Q: {prompt}"])
+    assert (cfg.data.system_prompt, cfg.data.prompt_template) == ("Note: be brief", "Q: {prompt}")
+    assert load_config(overrides=["data.system_prompt=no"]).data.system_prompt == "no"
+    assert load_config(overrides=["data.prompt_template={prompt}"]).data.prompt_template == \
+        "{prompt}"
+    assert load_config(overrides=['data.system_prompt="a: b"']).data.system_prompt == "a: b"
+    assert load_config(overrides=["train.steps=3"]).train.steps == 3
+    with pytest.raises(ConfigError, match="train.steps: expected int"):
+        load_config(overrides=["train.steps=three"])
+
+
+@pytest.mark.parametrize("override, says", [
+    ("model.num_heads=0", "model.num_heads must be > 0"),
+    ("model.logprob_chunk_size=0", "model.logprob_chunk_size must be > 0"),
+    ("optim.weight_decay=-1", "optim.weight_decay must be >= 0"),
+    ("warmup.lr=-1", "warmup.lr must be > 0"),
+    ("model.num_kv_heads=3", "model.num_heads=4 must be a multiple of model.num_kv_heads=3"),
+    ("model.hidden_size=30", "divide model.hidden_size=30"),
+    ("optim.betas=0.9", "optim.betas: expected a list ([a, b, ...]), got 0.9"),
+])
+def test_sizes_and_rates_out_of_range_are_config_errors(override, says):
+    # each was a traceback from torch (range() step 0, a division by zero, AdamW's own check,
+    # attention shapes) once the run had started
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config(overrides=[override])
+
+
+def test_a_config_file_error_says_where_and_what(tmp_path):
+    tab = tmp_path / "tab.yaml"
+    tab.write_text("train:\n  steps: 2\n\tlr: 3\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML at line 3, column 1: found character "
+                                          r".*\(YAML indents with spaces, not tabs\)"):
+        load_config(tab)
+    colon = tmp_path / "colon.yaml"
+    colon.write_text("train:\n  steps 2\n  eval_every: 1\n")
+    with pytest.raises(ConfigError, match="at line 3, column 13: mapping values are not allowed"):
+        load_config(colon)
+    # dotted keys read as nested ones, and an empty section sets nothing
+    dotted = tmp_path / "dotted.yaml"
+    dotted.write_text("model:\ntrain.steps: 2\nrollout:\n  group_size: 4\n")
+    cfg = load_config(dotted)
+    assert (cfg.train.steps, cfg.rollout.group_size, cfg.model.name_or_path) == \
+        (2, 4, "tiny-qwen3")

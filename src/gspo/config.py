@@ -86,19 +86,20 @@ def _holds_out(d: DataConfig) -> bool:  # data.n_eval rows are generated or held
 class ModelConfig:
     name_or_path: str = _f("tiny-qwen3", "'tiny-qwen3' or 'tiny-qwen3-moe' (built locally, "
                            "offline) or a local directory / hub id of any Hugging Face causal LM")
-    hidden_size: int = _f(128, "tiny model only: hidden size")
-    num_layers: int = _f(2, "tiny model only: number of decoder layers")
-    num_heads: int = _f(4, "tiny model only: attention heads")
-    num_kv_heads: int = _f(2, "tiny model only: key/value heads (GQA)")
-    intermediate_size: int = _f(512, "tiny model only: MLP width")
-    num_experts: int = _f(8, "tiny MoE only: experts per layer")
-    num_experts_per_tok: int = _f(2, "tiny MoE only: experts activated per token (top-k)")
-    moe_intermediate_size: int = _f(128, "tiny MoE only: width of each expert's MLP")
+    hidden_size: int = _f(128, "tiny model only: hidden size", gt=0)
+    num_layers: int = _f(2, "tiny model only: number of decoder layers", gt=0)
+    num_heads: int = _f(4, "tiny model only: attention heads", gt=0)
+    num_kv_heads: int = _f(2, "tiny model only: key/value heads (GQA)", gt=0)
+    intermediate_size: int = _f(512, "tiny model only: MLP width", gt=0)
+    num_experts: int = _f(8, "tiny MoE only: experts per layer", gt=0)
+    num_experts_per_tok: int = _f(2, "tiny MoE only: experts activated per token (top-k)",
+                                  gt=0)
+    moe_intermediate_size: int = _f(128, "tiny MoE only: width of each expert's MLP", gt=0)
     dtype: str = _f("float32", "retired: the training precision is train.precision "
                     "(model.dtype=bfloat16 is read as train.precision=bf16-true)",
                     choices=("float32", "bfloat16", "float16"))
     logprob_chunk_size: int = _f(1024, "positions per chunk when computing log-probs "
-                                 "(bounds the (chunk, V) logits held at once)")
+                                 "(bounds the (chunk, V) logits held at once)", gt=0)
     lora_rank: int = _f(0, "LoRA (through peft): rank of the adapters; 0 = train every weight",
                         ge=0)
     lora_alpha: float = _f(32.0, "LoRA: scale numerator, the update is (alpha / rank) B A",
@@ -286,17 +287,17 @@ class AlgorithmConfig:
 @dataclass
 class OptimConfig:
     lr: float = _f(1e-4, "AdamW learning rate of the RL phase", gt=0)
-    weight_decay: float = _f(0.0, "AdamW weight decay")
+    weight_decay: float = _f(0.0, "AdamW weight decay", ge=0)
     betas: list = _f([0.9, 0.999], "AdamW betas")
     grad_clip: float = _f(1.0, "max global gradient norm (0 = no clipping)", ge=0)
-    warmup_steps: int = _f(0, "linear learning-rate warm-up, in optimiser steps")
+    warmup_steps: int = _f(0, "linear learning-rate warm-up, in optimiser steps", ge=0)
 
 
 @dataclass
 class WarmupConfig:
     steps: int = _f(300, "supervised warm-up steps before RL (0 for a pretrained model)",
                     ge=0)
-    lr: float = _f(1e-3, "warm-up AdamW learning rate")
+    lr: float = _f(1e-3, "warm-up AdamW learning rate", gt=0)
     batch_size: int = _f(64, "warm-up examples per step", gt=0)
 
 
@@ -367,6 +368,18 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _hint_at(key: str) -> Any:
+    """The type hint of the field `key` (a.b) names, None where it names none."""
+    cls = Config
+    *sections, name = key.split(".")
+    for section in sections:
+        hint = _hints(cls).get(section)
+        if not (isinstance(hint, type) and dataclasses.is_dataclass(hint)):
+            return None
+        cls = hint
+    return _hints(cls).get(name) if dataclasses.is_dataclass(cls) else None
+
+
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     """Check value against a field's type hint, converting only the lossless int -> float."""
     origin = typing.get_origin(hint)
@@ -392,7 +405,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if hint is list or origin is list:
         if isinstance(value, (list, tuple)):
             return list(value)
-        raise ConfigError(f"{key}: expected a list like [0.9, 0.999], got {value!r}")
+        raise ConfigError(f"{key}: expected a list ([a, b, ...]), got {value!r}")
     want = origin or hint
     if not isinstance(value, want) or (want is int and isinstance(value, bool)):
         raise ConfigError(f"{key}: expected {getattr(want, '__name__', want)}, "
@@ -424,13 +437,18 @@ def _apply(obj: Any, key_path: list[str], value: Any, full_key: str) -> None:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """'a.b=value' -> ('a.b', value) with value parsed as YAML (numbers, bools, lists...)."""
+    """'a.b=value' -> ('a.b', value) with value parsed as YAML (numbers, bools, lists...),
+    except for a text field, which takes the text as typed ("data.system_prompt=Note: be
+    brief" is not a mapping, "=no" not a bool) unless it is quoted."""
     if "=" not in text:
         raise ConfigError(f"override '{text}' must look like key.sub=value")
     key, raw = text.split("=", 1)
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
+        value = raw
+    quoted = raw.strip()[:1] in ("'", '"') and isinstance(value, str)
+    if _hint_at(key.strip()) is str and not quoted:
         value = raw
     if key == "algorithm" and isinstance(value, str):  # the preset shorthand
         key = "algorithm.name"
@@ -452,14 +470,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file '{path}' is not valid YAML: "
-                              f"{str(e).splitlines()[0]}") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            what = getattr(e, "problem", None) or str(e).splitlines()[0]
+            tabs = " (YAML indents with spaces, not tabs)" if "\\t" in what else ""
+            raise ConfigError(f"config file '{path}' is not valid YAML{where}: {what}{tabs}"
+                              ) from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections")
         if isinstance(data.get("algorithm"), str):
             data["algorithm"] = {"name": data["algorithm"]}
         for k, v in data.items():
-            _apply(cfg, [str(k)], v, str(k))
+            if v is None and dataclasses.is_dataclass(getattr(cfg, str(k), None)):
+                continue  # an empty section ("model:" with nothing under it) sets nothing
+            _apply(cfg, str(k).split("."), v, str(k))  # "train.steps: 2" as train: {steps: 2}
     for text in overrides:
         key, value = parse_override(text)
         _apply(cfg, key.split("."), value, key)
@@ -543,6 +567,12 @@ def resolve(cfg: Config) -> Config:
     from gspo.engines import ENGINES  # the registry a new engine is added to
     _check_choice("rollout.engine", r.engine, sorted(ENGINES))
     m = cfg.model
+    if m.name_or_path.startswith("tiny-qwen3") and (m.num_heads % m.num_kv_heads
+                                                   or m.hidden_size % m.num_heads):
+        raise ConfigError(f"the tiny model's model.num_heads={m.num_heads} must be a multiple "
+                          f"of model.num_kv_heads={m.num_kv_heads} (heads share key/value "
+                          f"heads in equal groups) and divide model.hidden_size="
+                          f"{m.hidden_size}")
     if m.lora_rank and (not m.lora_target_modules
                         or not all(isinstance(x, str) for x in m.lora_target_modules)):
         raise ConfigError(f"model.lora_target_modules must be a non-empty list of layer "

@@ -342,6 +342,13 @@ def fitting_prompts(rows: list[dict], what: str, model, tokenizer, cfg: Config) 
             too_long[i] = n
     if not too_long:
         return rows
+    if len(too_long) == len(rows):  # the budget is the problem, not the prompts
+        shortest = min(too_long.values())
+        raise TrainingError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves "
+                            f"{max(room, 0)} of the model's {context}-token context for the "
+                            f"prompt, and none of the {len(rows)} {what} prompts fits (the "
+                            f"shortest has {shortest} tokens): set rollout.max_new_tokens to "
+                            f"at most {context - shortest}")
     i, n = next(iter(too_long.items()))
     message = (f"{len(too_long)} {what} prompt(s) do not fit the model's context of {context} "
                f"tokens with rollout.max_new_tokens={cfg.rollout.max_new_tokens}; the first "
