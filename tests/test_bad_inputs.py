@@ -180,6 +180,9 @@ def test_model_paths_that_cannot_be_trained(tmp_path, capsys, monkeypatch):
     ("rows.json", b'[{"prompt": "a", "answer": "1"}, {"prompt": ', "not valid JSON"),
     ("rows.parquet", b"PAR1 this is not parquet", "not a readable Parquet file"),
     ("rows.csv", b"prompt,answer\n\xff,1\n", "rows.csv"),
+    ("rows.csv", b"prompt,answer\n1+1?,2,\n",
+     "rows.csv row 1: 1 more value than the header's columns (prompt, answer): remove the "
+     "trailing comma"),
     ("rows.jsonl", b'{"prompt": "1+1?"}\n', "answer"),
     ("rows.txt", b"what?", "rows.txt"),
 ])

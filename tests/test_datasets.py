@@ -244,6 +244,22 @@ def test_a_non_utf8_csv_row_is_a_bad_row(tmp_path):
     assert [r["prompt"] for r in load_rows(path, data(task="math", on_bad_row="skip"))] == ["a", "c"]
 
 
+@pytest.mark.parametrize("lines, message, kept", [
+    ("a,1,\nb,2,\n", "row 1: 1 more value than the header's columns (prompt, answer): remove "
+                     "the trailing comma", ["c"]),
+    ("a,1\nb,2,x,y\n", "row 2: 2 more values than the header's columns (prompt, answer): quote "
+                       "a value that holds a comma", ["a", "c"]),
+])
+def test_a_csv_row_with_more_values_than_the_header_is_a_bad_row(tmp_path, lines, message, kept):
+    # DictReader files the extra values under the key None, which later broke the run record
+    path = tmp_path / "m.csv"
+    path.write_text("prompt,answer\n" + lines + "c,3\n")
+    with pytest.raises(DatasetError) as e:
+        load_rows(path, data(task="math"))
+    assert f"{path} {message}" in str(e.value)
+    assert [r["prompt"] for r in load_rows(path, data(task="math", on_bad_row="skip"))] == kept
+
+
 @pytest.mark.parametrize("name, content, message", [
     ("t.json", b'[{"prompt": "a", "answer": "1"}, {"prompt": ', r"t.json: not valid JSON"),
     ("u.json", b'[{"prompt": "\xff"}]', r"u.json: not UTF-8 text \(byte 0xff at offset 13\)"),

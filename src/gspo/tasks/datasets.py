@@ -77,9 +77,7 @@ def _raw_rows(path: Path, split: str, subset: str = "") -> Iterator[tuple[int, A
         # surrogateescape: a row with bytes that are not UTF-8 is reported as that row
         with path.open(encoding="utf-8", errors="surrogateescape", newline="") as f:
             for number, row in enumerate(csv.DictReader(f), 1):
-                bad = any(isinstance(v, str) and any("\udc80" <= c <= "\udcff" for c in v)
-                          for v in row.values())
-                yield number, _BadRow("not UTF-8 text") if bad else row
+                yield number, _csv_row(row)
     elif suffix == ".parquet":
         pq = _data_extra("pyarrow.parquet", f"reading the Parquet file {path}")
 
@@ -91,6 +89,22 @@ def _raw_rows(path: Path, split: str, subset: str = "") -> Iterator[tuple[int, A
         yield from enumerate(table.to_pylist(), 1)
     else:
         raise DatasetError(f"{path}: unknown data format '{suffix}'; use {FORMATS}")
+
+
+def _csv_row(row: dict) -> dict | _BadRow:
+    """A csv.DictReader row, or why it is malformed: bytes that are not UTF-8, or more values
+    than the header has columns (DictReader files those under the key None)."""
+    extra = row.pop(None, None)
+    if extra is not None:
+        n = len(extra)
+        fix = ("remove the trailing comma" if not any(v.strip() for v in extra) else
+               'quote a value that holds a comma ("1, 2"), or add the column to the header')
+        return _BadRow(f"{n} more value{'s' * (n != 1)} than the header's columns "
+                       f"({', '.join(map(str, row))}): {fix}")
+    if any(isinstance(v, str) and any("\udc80" <= c <= "\udcff" for c in v)
+           for v in row.values()):
+        return _BadRow("not UTF-8 text")
+    return row
 
 
 def _data_extra(module: str, what: str):
