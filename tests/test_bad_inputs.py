@@ -184,6 +184,8 @@ def test_model_paths_that_cannot_be_trained(tmp_path, capsys, monkeypatch):
      "rows.csv row 1: 1 more value than the header's columns (prompt, answer): remove the "
      "trailing comma"),
     ("rows.jsonl", b'{"prompt": "1+1?"}\n', "answer"),
+    ("rows.jsonl", b'{"prompt": "1+1?", "answer": []}\n', "row 1: field 'answer' (answer): an "
+                                                        "empty list; give the answer"),
     ("rows.txt", b"what?", "rows.txt"),
 ])
 def test_a_bad_data_file(tmp_path, capsys, name, content, says):

@@ -9,6 +9,7 @@ import gspo
 from gspo.config import ConfigError, DataConfig
 from gspo.tasks import build_reward, build_task
 from gspo.tasks.arithmetic import exact_match_reward, extract_answer, make_splits
+from gspo.tasks.datasets import map_rows, python_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,6 +36,19 @@ def test_malformed_answers_score_zero_without_raising():
     for bad in ["", "abc", "132abc", "1+1", "=", None, "\x00", "9" * 10_000 + "x"]:
         assert exact_match_reward(bad, answer="132") == 0.0
     assert extract_answer("x") is None
+
+
+def test_a_math_answer_list_without_an_answer_is_a_malformed_row():
+    # an empty list scored every sample 0 in a run, and the dry run's sample answer raised
+    rows = [{"prompt": "a", "answer": []}, {"prompt": "b", "answer": ["1", " "]},
+            {"prompt": "c", "answer": ["2", "two"]}]
+    bad: list[str] = []
+    kept = map_rows(python_rows(rows, "rows"), "rows", DataConfig(task="math"), "math", bad)
+    assert [r["answer"] for r in kept] == [["2", "two"]]
+    assert bad == ["rows row 1: field 'answer' (answer): an empty list; give the answer, or a "
+                   "list of its accepted forms",
+                   "rows row 2: field 'answer' (answer): answer 2 of the list is empty; give "
+                   "each accepted form, or drop the empty one"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,9 +19,16 @@ def reward(d) -> RewardFn:
 
 def parse_answer(value: Any, raw: dict, d) -> str | list[str]:
     """The reference answer of a row, as text; several accepted forms stay a list (the reward
-    takes any one of them)."""
+    takes any one of them). ValueError for a list that holds no answer: every sample would
+    score 0."""
     if isinstance(value, (list, tuple)):
-        return [str(a).strip() for a in value]
+        answers = [str(a).strip() for a in value]
+        if not answers:
+            raise ValueError("an empty list; give the answer, or a list of its accepted forms")
+        if not all(answers):
+            raise ValueError(f"answer {answers.index('') + 1} of the list is empty; give each "
+                             f"accepted form, or drop the empty one")
+        return answers
     return str(value).strip()
 
 
