@@ -163,6 +163,22 @@ def test_gspo_eval_passes_the_engines_settings_to_it(tmp_path, monkeypatch):
                      "tensor_parallel_size": 1, "sleep": True}
 
 
+def test_gspo_eval_of_a_reward_that_failed_on_every_sample_is_an_error_not_0(model_dir,
+                                                                             tmp_path, capsys):
+    (tmp_path / "rw.py").write_text("def raises(completion, **_):\n    raise KeyError('boom')\n")
+    out = tmp_path / "eval.jsonl"
+    rc = cli_main(["eval", "--model", str(model_dir), "--data", str(DATA / "math_mini.jsonl"),
+                   "--task", "math", "--k", "2", "--limit", "2", "--max-new-tokens", "2",
+                   f"data.reward={tmp_path}/rw.py:raises", "--output", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 2 and "Traceback" not in captured.err and "overall" not in captured.out
+    assert captured.err.strip().splitlines()[-1] == (
+        f"gspo: error: the reward {tmp_path}/rw.py:raises failed on every one of the 4 samples "
+        f"(first error: KeyError: 'boom'), so nothing was measured; fix the reward function "
+        f"(the samples are in {out})")
+    assert len(out.read_text().splitlines()) == 3  # the samples are kept to debug it with
+
+
 @pytest.mark.parametrize("args, message", [
     (["--data", "/no/such.jsonl"], "data.path '/no/such.jsonl' not found"),
     (["--data", str(DATA / "gsm8k_mini.jsonl")], "row 1: field 'prompt' (prompt) is missing"),

@@ -27,9 +27,10 @@ from typing import Sequence
 from gspo.config import Config, DataConfig, load_config
 from gspo.distributed import resolve_device
 from gspo.engines import ENGINES, RolloutEngine, SamplingParams
-from gspo.errors import ConfigError
+from gspo.errors import ConfigError, TrainingError
 from gspo.evaluation import EvalResult, evaluate, pass_at_k
 from gspo.rewards import RewardFn, close_reward
+from gspo.runrecord import reward_identity
 from gspo.tasks import TASKS, build_reward, file_tasks
 from gspo.tasks.datasets import load_rows
 from gspo.preflight import build_model, setting_warnings
@@ -110,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         engine.close()
     records = report_records(result, rows, args.k)
     write_jsonl(records, output)
+    samples = len(result.per_problem) * args.k
+    if samples and result.reward_failures == samples:  # a 0% that measured nothing
+        raise TrainingError(f"the reward {reward_identity(cfg.data)[0]} failed on every one of "
+                            f"the {samples} samples (first error: {result.first_error}), so "
+                            f"nothing was measured; fix the reward function (the samples are "
+                            f"in {output})")
     print(format_table(records, args.k))
     print(f"\n  {len(rows)} problems x {args.k} samples in {time.perf_counter() - t0:.0f} s; "
           f"written to {output}")

@@ -34,6 +34,7 @@ class EvalResult:
     pass_at: dict[int, float]             # k -> mean unbiased pass@k over problems
     per_problem: list[dict] = field(default_factory=list)
     reward_failures: int = 0
+    first_error: str | None = None        # the first failed reward call, as one line
 
 
 def evaluate(engine: RolloutEngine, tokenizer, rows: Sequence[dict], reward_fn: RewardFn,
@@ -45,7 +46,7 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: Sequence[dict], reward_fn: 
     its reward is >= success_threshold. A reward call past reward_timeout_s fails (scores 0).
     should_stop: checked before each batch; when true, the rows evaluated so far are returned
     (a stop request is honoured within one batch)."""
-    per_problem, failures = [], 0
+    per_problem, failures, first_error = [], 0, None
     for start in range(0, len(rows), batch_size):
         if should_stop is not None and should_stop():
             break
@@ -53,9 +54,9 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: Sequence[dict], reward_fn: 
         rollouts = engine.generate(encode_prompts(tokenizer, chunk, system_prompt), n=k,
                                    params=params, seed=seed + start)
         texts = decode_responses(tokenizer, rollouts)
-        rewards, fails, _ = score(reward_fn, texts, [row for row in chunk for _ in range(k)],
-                                  timeout=reward_timeout_s)
-        failures += fails
+        rewards, fails, first = score(reward_fn, texts, [row for row in chunk for _ in range(k)],
+                                      timeout=reward_timeout_s)
+        failures, first_error = failures + fails, first_error or first
         for i, row in enumerate(chunk):
             rs = rewards[i * k:(i + 1) * k]
             per_problem.append({"prompt": row["prompt"], "rewards": rs,
@@ -64,7 +65,7 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: Sequence[dict], reward_fn: 
     avg = sum(sum(p["rewards"]) for p in per_problem) / max(1, len(per_problem) * k)
     pass_at = {j: sum(pass_at_k(k, p["correct"], j) for p in per_problem) / max(1, len(per_problem))
                for j in _ks(k)}
-    return EvalResult(avg, pass_at, per_problem, failures)
+    return EvalResult(avg, pass_at, per_problem, failures, first_error)
 
 
 def _ks(k: int) -> list[int]:
