@@ -262,6 +262,14 @@ def test_a_reward_that_cannot_score(tmp_path, capsys, reward, says):
                   f"data.reward={reward}", says=says)
 
 
+def test_a_reward_module_that_exits_when_imported(tmp_path, capsys):
+    script = write(tmp_path / "script.py", "import sys\nsys.exit('bye')\n")
+    for dry in ([], ["--dry-run"]):
+        fails_cleanly(capsys, "train", *dry, "--output-dir", str(tmp_path / "r"), *QUICK,
+                      f"data.reward={script}:f", says="(SystemExit: bye); a reward module must "
+                                                      "not exit when imported")
+
+
 def test_a_reward_that_returns_text_fails_the_dry_run_naming_it(tmp_path, capsys):
     fails_cleanly(capsys, "train", "--dry-run", "--output-dir", str(tmp_path / "r"), *QUICK,
                   f"data.reward={USER}:text",

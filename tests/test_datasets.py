@@ -215,6 +215,32 @@ def test_load_reward_errors(spec, message):
         load_reward(spec)
 
 
+def test_a_reward_module_that_exits_at_import_is_an_import_error(tmp_path):
+    (tmp_path / "script.py").write_text("import sys\nsys.exit('bye')\n")
+    with pytest.raises(ConfigError) as e:  # not SystemExit, which ended gspo without a word
+        load_reward(f"{tmp_path}/script.py:f")
+    assert str(e.value) == (f"data.reward '{tmp_path}/script.py:f': cannot import "
+                            f"'{tmp_path}/script.py' (SystemExit: bye); a reward module must not "
+                            f"exit when imported (put a script's code under if __name__ == "
+                            f"'__main__':)")
+
+
+def test_a_reward_module_not_on_the_path_says_to_name_its_file(tmp_path, monkeypatch):
+    (tmp_path / "gspo_cwd_reward.py").write_text("def f(completion, **_):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)  # as `gspo train` runs: the working directory is not on the path
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    with pytest.raises(ConfigError, match=r"No module named 'gspo_cwd_reward'\); "
+                                          r"gspo_cwd_reward.py is in the current directory, which "
+                                          r"is not on the import path: write "
+                                          r"data.reward=gspo_cwd_reward.py:f, or set PYTHONPATH=."):
+        load_reward("gspo_cwd_reward:f")
+    assert load_reward("gspo_cwd_reward.py:f")("x") == 1.0  # the fix it names works
+    with pytest.raises(ConfigError, match=r"No module named 'gspo_elsewhere'\); name the file "
+                                          r"instead, data.reward=path/to/file.py:g, or add its "
+                                          r"directory to PYTHONPATH"):
+        load_reward("gspo_elsewhere.rewards:g")
+
+
 def test_load_reward_finds_module_functions():
     from gspo.tasks.arithmetic import exact_match_reward
 

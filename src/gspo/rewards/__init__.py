@@ -87,9 +87,13 @@ def load_reward(spec: str) -> RewardFn:
             module = importlib.import_module(module_name)
     except ConfigError:
         raise
-    except Exception as e:  # an ImportError, or the module itself failing at import
+    # an ImportError, or the module failing at import; a script's sys.exit too, which would
+    # otherwise end gspo with no error line
+    except (Exception, SystemExit) as e:
+        why = e.code if isinstance(e, SystemExit) else e  # sys.exit() says nothing: its None
         raise ConfigError(f"data.reward '{spec}': cannot import '{module_name}' "
-                          f"({type(e).__name__}: {e})") from None
+                          f"({type(e).__name__}: {why}){_import_hint(e, module_name, attr)}"
+                          ) from None
     fn = getattr(module, attr, None)
     if fn is None:
         raise ConfigError(f"data.reward '{spec}': '{module_name}' has no attribute '{attr}'")
@@ -97,6 +101,25 @@ def load_reward(spec: str) -> RewardFn:
         raise ConfigError(f"data.reward '{spec}': '{attr}' is a {type(fn).__name__}, not a "
                           f"callable f(completion, **row_fields) -> float")
     return fn
+
+
+def _import_hint(e: BaseException, module_name: str, attr: str) -> str:
+    """The fix for a reward module that failed at import, where gspo can tell it: a script that
+    exits, or a module that is not on the path (a file in the working directory, which the
+    `gspo` command does not import from)."""
+    if isinstance(e, SystemExit):
+        return ("; a reward module must not exit when imported (put a script's code under "
+                "if __name__ == '__main__':)")
+    missing = isinstance(e, ModuleNotFoundError) and e.name is not None and (
+        module_name == e.name or module_name.startswith(e.name + "."))
+    if not missing:  # a package the module itself imports: its own error says which
+        return ""
+    file = Path(*module_name.split(".")).with_suffix(".py")
+    if file.is_file():
+        return (f"; {file} is in the current directory, which is not on the import path: write "
+                f"data.reward={file}:{attr}, or set PYTHONPATH=. to import from it")
+    return (f"; name the file instead, data.reward=path/to/file.py:{attr}, or add its "
+            f"directory to PYTHONPATH")
 
 
 def close_reward(fn) -> None:
