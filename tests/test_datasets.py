@@ -286,6 +286,19 @@ def test_a_csv_row_with_more_values_than_the_header_is_a_bad_row(tmp_path, lines
     assert [r["prompt"] for r in load_rows(path, data(task="math", on_bad_row="skip"))] == kept
 
 
+@pytest.mark.parametrize("name, content", [
+    ("m.jsonl", '{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n'),
+    ("m.json", '[{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]'),
+    ("m.csv", "prompt,answer\na,1\nb,2\n"),
+])
+def test_a_utf8_byte_order_mark_is_read_past(tmp_path, name, content):
+    # Windows editors and Excel's "CSV UTF-8" begin the file with one; row 1 was refused
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + content.encode())
+    rows = load_rows(path, data(task="math"))
+    assert [(r["prompt"], r["answer"]) for r in rows] == [("a", "1"), ("b", "2")]
+
+
 @pytest.mark.parametrize("name, content, message", [
     ("t.json", b'[{"prompt": "a", "answer": "1"}, {"prompt": ', r"t.json: not valid JSON"),
     ("u.json", b'[{"prompt": "\xff"}]', r"u.json: not UTF-8 text \(byte 0xff at offset 13\)"),

@@ -19,6 +19,7 @@ left out.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import json
 import logging
@@ -56,6 +57,8 @@ def _raw_rows(path: Path, split: str, subset: str = "") -> Iterator[tuple[int, A
     elif suffix in (".jsonl", ".ndjson") or (suffix == ".json" and not _is_json_array(path)):
         with path.open("rb") as f:
             for lineno, line in enumerate(f, 1):
+                if lineno == 1:  # a byte-order mark, as Windows editors and Excel write
+                    line = line.removeprefix(codecs.BOM_UTF8)
                 if line.strip():
                     try:
                         yield lineno, json.loads(line.decode("utf-8"))
@@ -65,17 +68,20 @@ def _raw_rows(path: Path, split: str, subset: str = "") -> Iterator[tuple[int, A
                     except ValueError as e:
                         yield lineno, _BadRow(f"not valid JSON ({e})")
     elif suffix == ".json":
+        data = path.read_bytes()
+        bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
         try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
+            rows = json.loads(data[bom:].decode("utf-8"))
         except UnicodeDecodeError as e:
             raise DatasetError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
-                               f"{e.start})") from None
+                               f"{bom + e.start})") from None
         except ValueError as e:
             raise DatasetError(f"{path}: not valid JSON ({e})") from None
         yield from enumerate(rows, 1)
     elif suffix == ".csv":
-        # surrogateescape: a row with bytes that are not UTF-8 is reported as that row
-        with path.open(encoding="utf-8", errors="surrogateescape", newline="") as f:
+        # surrogateescape: a row with bytes that are not UTF-8 is reported as that row;
+        # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8") is not part of the first column name
+        with path.open(encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
             for number, row in enumerate(csv.DictReader(f), 1):
                 yield number, _csv_row(row)
     elif suffix == ".parquet":
@@ -120,7 +126,7 @@ def _data_extra(module: str, what: str):
 
 def _is_json_array(path: Path) -> bool:
     with path.open("rb") as f:
-        head = f.read(4096).lstrip()
+        head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
     return head.startswith(b"[")
 
 
