@@ -186,8 +186,13 @@ def test_gspo_eval_of_a_reward_that_failed_on_every_sample_is_an_error_not_0(mod
      "data.* and rollout.* overrides only"),
     (["--data", str(DATA / "math_mini.jsonl"), "rollout.temperature=0.5"],
      "rollout.temperature=0.5 (set with --temperature)"),
+    # a flag's bad value is named by the flag, not by the config key it sets
     (["--data", str(DATA / "math_mini.jsonl"), "--engine", "sglang"],
-     "rollout.engine must be one of hf | vllm, got 'sglang'"),
+     "--engine must be one of hf | vllm, got 'sglang'"),
+    (["--data", str(DATA / "math_mini.jsonl"), "--dtype", "bf16"],
+     "--dtype must be one of auto | float32 | bfloat16 | float16, got 'bf16'"),
+    (["--data", str(DATA / "math_mini.jsonl"), "--device", "gpu"],
+     "--device 'gpu' is not a device"),
     # checked before the evaluation runs, so that its results are never lost
     (["--data", str(DATA / "math_mini.jsonl"), "--output", str(DATA)], "must name a file"),
     (["--data", str(DATA / "math_mini.jsonl"), "--output", "/no/such/dir/e.jsonl"],

@@ -449,7 +449,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = raw
     quoted = raw.strip()[:1] in ("'", '"') and isinstance(value, str)
     if _hint_at(key.strip()) is str and not quoted:
-        value = raw
+        value = raw.strip()
     if key == "algorithm" and isinstance(value, str):  # the preset shorthand
         key = "algorithm.name"
     return key.strip(), value

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -149,7 +150,16 @@ def eval_config(model: str, task: str, data: str, overrides: Sequence[str] = (),
              f"data.path={json.dumps(data)}", f"rollout.dtype={dtype}", f"train.seed={seed}"]
     flags += [f"rollout.engine={engine}"] * (engine is not None)
     flags += [f"train.device={json.dumps(device)}"] * (device is not None)
-    return load_config(overrides=[*flags, *overrides])
+    try:
+        cfg = load_config(overrides=[*flags, *overrides])
+        resolve_device(cfg.train.device)  # a device that does not exist, said here
+        return cfg
+    except ConfigError as e:  # name the flag its user typed, not the key it sets
+        message = str(e)
+        for key, flag in (("rollout.engine", "--engine"), ("rollout.dtype", "--dtype"),
+                          ("train.device", "--device")):
+            message = re.sub(rf"\b{re.escape(key)}\b(?![\w.])", flag, message)
+        raise ConfigError(message) from None
 
 
 def load_eval_task(d: DataConfig, limit: int = 0) -> tuple[list[dict], RewardFn]:
