@@ -333,6 +333,24 @@ def test_a_checkpoint_or_the_checkpoints_dir_given_as_the_run_is_refused(tmp_pat
     assert snapshot(run) == before
 
 
+def test_a_resume_of_a_file_or_of_a_broken_config_says_what_to_do(tmp_path, capsys,
+                                                                  finished_run):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    fails_cleanly(capsys, "train", "--resume", str(run / "metrics.jsonl"),
+                  says="--resume takes a run directory")
+    fails_cleanly(capsys, "train", "--output-dir", str(tmp_path / "new"),
+                  f"model.name_or_path={run}",
+                  says="is a gspo run directory, not a model: to start from its trained "
+                       "weights pass one of its checkpoints")
+    (run / "config.yaml").write_text("train: [\n")
+    before = snapshot(run)
+    fails_cleanly(capsys, "train", "--resume", str(run), "train.steps=3",
+                  says=f"to resume with the config saved with the latest checkpoint instead, "
+                       f"delete {run / 'config.yaml'}")
+    assert snapshot(run) == before
+
+
 # ---- a resume that would train something else: refused, the run left as it was
 
 def length_reward(completion: str, **_) -> float:

@@ -113,14 +113,24 @@ def resume_config(run_dir: Path, config: str | None, overrides: list[str]):
     the overrides."""
     from gspo.checkpoint import latest_checkpoint
     from gspo.config import load_config
-    from gspo.errors import TrainingError
+    from gspo.errors import ConfigError, TrainingError
     from gspo.runlock import check_run_dir
     from gspo.runrecord import read_record, saved_config
 
+    if run_dir.is_file():
+        raise TrainingError(f"--resume takes a run directory (gspo train --output-dir's); "
+                            f"{run_dir} is a file")
     check_run_dir(run_dir)
     if config is not None:
         return load_config(config, overrides)
     if (run_dir / "config.yaml").is_file():
+        try:
+            load_config(run_dir / "config.yaml")  # the file itself, before the overrides
+        except ConfigError as e:
+            if latest_checkpoint(run_dir) is None:
+                raise
+            raise ConfigError(f"{e}; to resume with the config saved with the latest checkpoint "
+                              f"instead, delete {run_dir / 'config.yaml'}") from None
         return load_config(run_dir / "config.yaml", overrides)
     ckpt = latest_checkpoint(run_dir) if run_dir.is_dir() else None
     if ckpt is None:

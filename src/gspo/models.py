@@ -209,6 +209,11 @@ def _check_local_dir(path: str) -> None:
     tokenizer, and the run would train on nonsense."""
     import json
     from pathlib import Path
+    if not Path(path, "config.json").exists() and Path(path, "checkpoints").is_dir():
+        raise ModelLoadError(f"{path} is a gspo run directory, not a model: to start from its "
+                             f"trained weights pass one of its checkpoints, model.name_or_path="
+                             f"{Path(path, 'checkpoints', 'step_N')}; to continue the run, "
+                             f"gspo train --resume {path}")
     try:
         archs = json.loads(Path(path, "config.json").read_text()).get("architectures") or []
     except (OSError, ValueError):
