@@ -24,7 +24,8 @@ import yaml
 from conftest import TINY_OVERRIDES
 from gspo.cli import main
 from gspo.logger import MetricsLogger, read_metrics
-from gspo.trackers import TRACKERS
+from gspo.errors import ConfigError
+from gspo.trackers import TRACKERS, open_trackers
 
 PACKAGES = {"tensorboard": ["tensorboard"], "wandb": ["wandb"], "trackio": ["trackio"],
             "mlflow": ["mlflow", "sqlalchemy", "alembic"]}
@@ -295,3 +296,52 @@ def test_an_unknown_tracker_is_one_line_naming_the_choices(tmp_path, capsys):
                  "train.report_to=[wandb, neptune]"]) == 2
     assert capsys.readouterr().err == ("gspo: error: train.report_to must be one of tensorboard "
                                        "| wandb | trackio | mlflow, got 'neptune'\n")
+
+
+def test_wandb_without_an_api_key_is_one_line_before_the_warm_up(tmp_path):
+    """No key and no WANDB_MODE=offline: wandb refuses to start; the run stops at once with the
+    fix, not with wandb's traceback after the warm-up has run."""
+    pytest.importorskip("wandb")
+    env = {k: v for k, v in tracker_env(tmp_path).items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
+               WANDB_DIR=str(tmp_path), WANDB_MODE="online")  # no ~/.netrc, no key
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "gspo", "train", "--output-dir", str(run),
+                          *TINY_OVERRIDES, "train.report_to=[tensorboard, wandb]"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, timeout=TIMEOUT)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "warm-up:" not in out.stderr  # its log line
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("gspo: error: train.report_to=wandb: wandb could not start "
+                           "(UsageError: No API key configured"), last
+    assert "`wandb login`" in last and "WANDB_MODE=offline" in last
+    assert "drop wandb from train.report_to" in last
+    assert not (run / "checkpoints").exists() and not (run / "config.yaml").exists()
+
+
+def test_the_trackers_opened_before_one_that_cannot_start_are_closed(tmp_path, monkeypatch):
+    closed = []
+
+    class Opens:
+        run_id = None
+
+        def __init__(self, run):
+            pass
+
+        def close(self):
+            closed.append("opens")
+
+    class Fails:
+        fix = "do this"
+
+        def __init__(self, run):
+            raise OSError("the server is out of reach")
+
+    monkeypatch.setitem(TRACKERS, "opens", Opens)
+    monkeypatch.setitem(TRACKERS, "fails", Fails)
+    with pytest.raises(ConfigError, match=r"^train.report_to=fails: fails could not start "
+                                          r"\(OSError: the server is out of reach\); do this, "
+                                          r"or drop fails from train.report_to$"):
+        open_trackers(["opens", "fails"], tmp_path, "gspo", {}, None)
+    assert closed == ["opens"]

@@ -66,6 +66,7 @@ class Tracker(Protocol):
 
 class TensorBoard:
     modules = ("torch.utils.tensorboard",)  # what it imports: its package, checked at start
+    fix = "check that the run directory can be written"  # what to do when it cannot start
 
     def __init__(self, run: RunInfo):
         from torch.utils.tensorboard import SummaryWriter
@@ -86,6 +87,8 @@ class TensorBoard:
 
 class Wandb:
     modules = ("wandb",)
+    fix = ("run `wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline to log to the "
+           "run directory for a later `wandb sync`")
 
     def __init__(self, run: RunInfo):
         import wandb
@@ -104,6 +107,7 @@ class Wandb:
 
 class Trackio:
     modules = ("trackio",)
+    fix = "check TRACKIO_DIR (its local store)"
 
     def __init__(self, run: RunInfo):
         import trackio
@@ -122,6 +126,7 @@ class Trackio:
 
 class MLflow:
     modules = ("mlflow", "sqlalchemy", "alembic")  # the last two: its SQLite store
+    fix = "check MLFLOW_TRACKING_URI (unset: run_dir/mlflow.db)"
     _BATCH = 100  # MLflow's limit of params (and tags) per log_batch call
 
     def __init__(self, run: RunInfo):
@@ -179,12 +184,23 @@ def require(names: list[str]) -> None:
 def open_trackers(names: list[str], run_dir: Path, project: str, config: dict,
                   resume_from_step: int | None) -> list[Tracker]:
     """Open the named trackers, continuing the runs trackers.json records when resuming, and
-    record the runs' ids there."""
+    record the runs' ids there. A tracker that cannot start (wandb without an API key, a
+    tracking server out of reach) is a ConfigError naming it and the fix; the ones opened
+    before it are closed."""
     path = run_dir / TRACKERS_FILE
     ids = json.loads(path.read_text()) if resume_from_step is not None and path.is_file() else {}
-    trackers = {name: TRACKERS[name](RunInfo(run_dir, project, config, resume_from_step,
-                                             ids.get(name)))
-                for name in names}
+    trackers = {}
+    for name in names:
+        try:
+            trackers[name] = TRACKERS[name](RunInfo(run_dir, project, config, resume_from_step,
+                                                    ids.get(name)))
+        except Exception as e:  # the library's own (wandb: no API key, no network, ...)
+            for opened in trackers.values():
+                opened.close()
+            why = (str(e).strip().splitlines() or [""])[0][:300]
+            raise ConfigError(f"train.report_to={name}: {name} could not start "
+                              f"({type(e).__name__}: {why}); {TRACKERS[name].fix}, or drop "
+                              f"{name} from train.report_to") from e
     ids.update({name: t.run_id for name, t in trackers.items() if t.run_id})
     if ids:
         path.write_text(json.dumps(ids, indent=2) + "\n")

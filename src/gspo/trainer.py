@@ -88,18 +88,19 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, *, reward_fn=N
         run = build_run(cfg, Path(run_dir), resume, reward_fn=reward_fn, train_data=train_data,
                         eval_data=eval_data, callbacks=callbacks)
         try:
-            # ---- supervised warm-up (a new run)
-            run_warmup(run, stop)
-            save_run_config(run)
-            start_sampler(run)
-            run.callbacks.on_train_begin(run)
-            # ---- RL steps
+            # before the warm-up: a tracker that cannot start (wandb without a key) fails now
             with MetricsLogger(run.run_dir, enabled=run.dist.is_main,
                                resume_from_step=run.start_step if resume else None,
                                report_to=cfg.train.report_to, config=to_dict(cfg),
                                project=cfg.train.project,
                                history=run.checkpoint / METRICS_FILE if run.checkpoint else None
                                ) as logger:
+                # ---- supervised warm-up (a new run)
+                run_warmup(run, stop)
+                save_run_config(run)
+                start_sampler(run)
+                run.callbacks.on_train_begin(run)
+                # ---- RL steps
                 summary = rl_loop(run, resume, logger, stop)
             run.callbacks.on_train_end(run, summary)
             return summary
