@@ -496,6 +496,25 @@ def test_training_into_a_finished_run_or_resuming_an_empty_one(tmp_path, capsys,
                   says="no run to resume there")
 
 
+def test_a_new_run_does_not_overwrite_the_users_own_config_yaml(tmp_path, capsys, monkeypatch,
+                                                                finished_run):
+    mine = write(tmp_path / "config.yaml", "# my settings, with comments\ntrain:\n  steps: 1  "
+                                           "# one step to try\n").read_text()
+    monkeypatch.chdir(tmp_path)
+    for dry in ([], ["--dry-run"]):
+        fails_cleanly(capsys, "train", *dry, "--config", "config.yaml", "--output-dir", ".",
+                      *QUICK, says="config.yaml is not a gspo run's (no metrics.jsonl beside "
+                                   "it): a new run writes its resolved config there and would "
+                                   "overwrite it; choose another --output-dir")
+    assert (tmp_path / "config.yaml").read_text() == mine
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
+    # a gspo run stopped before its first checkpoint may be started again where it was
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    shutil.rmtree(run / "checkpoints")
+    assert main(["train", "--output-dir", str(run), *QUICK]) == 0
+
+
 def test_every_checkpoint_damaged_is_one_error_and_nothing_is_deleted(tmp_path, capsys,
                                                                       finished_run):
     run = tmp_path / "run"

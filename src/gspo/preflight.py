@@ -270,13 +270,18 @@ def check_async(cfg: Config, world: int) -> None:
 def run_dir_checkpoint(cfg: Config, run_dir: Path, resume: bool, verify: bool = True,
                        **objects) -> tuple[Path | None, dict | None]:
     """(the checkpoint a resume starts from, its run record; None, None for a new run), after
-    refusing a new run in a directory that holds checkpoints, a resume that changes what the
-    run was (gspo.runrecord.check_resume) and one that would lose a metrics row
-    (gspo.logger.check_resumable). verify: check the checkpoint's files against its
-    manifest (reads them all). objects: reward_fn, train_data, eval_data as for `train`."""
+    refusing a new run in a directory that holds checkpoints or a config.yaml of its own (see
+    `foreign_config`), a resume that changes what the run was (gspo.runrecord.check_resume)
+    and one that would lose a metrics row (gspo.logger.check_resumable). verify: check the
+    checkpoint's files against its manifest (reads them all). objects: reward_fn, train_data,
+    eval_data as for `train`."""
     if not resume and latest_checkpoint(run_dir) is not None:
         raise TrainingError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
                             f"continue it or choose a new --output-dir")
+    if not resume and foreign_config(run_dir):
+        raise TrainingError(f"{run_dir / 'config.yaml'} is not a gspo run's (no {METRICS_FILE} "
+                            f"beside it): a new run writes its resolved config there and would "
+                            f"overwrite it; choose another --output-dir (e.g. a subdirectory)")
     if not resume:
         return None, None
     ckpt = latest_checkpoint(run_dir, verify=verify)
@@ -286,6 +291,14 @@ def run_dir_checkpoint(cfg: Config, run_dir: Path, resume: bool, verify: bool = 
     check_resumable(run_dir / METRICS_FILE, int(ckpt.name.rsplit("_", 1)[1]),
                     ckpt / METRICS_FILE)  # on every rank, though rank 0 alone writes it
     return ckpt, record
+
+
+def foreign_config(run_dir: Path) -> bool:
+    """Whether run_dir's config.yaml is not a gspo run's (the user's own config, say, with
+    `--output-dir .`). A run opens its metrics.jsonl before it writes config.yaml, so a run
+    directory that holds the one holds the other, checkpoints or not (a run stopped before its
+    first)."""
+    return (run_dir / "config.yaml").is_file() and not (run_dir / METRICS_FILE).is_file()
 
 
 def build_model(cfg: Config, device: torch.device | str = "cpu", weights: bool = True,
