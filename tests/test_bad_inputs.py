@@ -235,6 +235,12 @@ def test_fewer_held_out_rows_than_ranks(tmp_path, capsys):
                   says="1 held-out row(s) for 2 ranks")
 
 
+def test_a_dry_run_for_no_ranks(tmp_path, capsys):
+    fails_cleanly(capsys, "train", "--dry-run", "--world-size", "0", *QUICK,
+                  says="--world-size 0: a launch has at least 1 rank; give the number of ranks "
+                       "torchrun will start")
+
+
 @pytest.mark.parametrize("source", [str(DATA / "math_mini.parquet"), "openai/gsm8k"])
 def test_parquet_or_a_hub_dataset_without_the_data_extra(tmp_path, capsys, monkeypatch, source):
     for module in ("pyarrow", "pyarrow.parquet", "datasets"):

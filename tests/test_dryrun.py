@@ -225,6 +225,21 @@ def test_what_does_not_divide_over_the_ranks_is_refused_as_the_run_would(overrid
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("world, env, message", [
+    (0, {}, "--world-size 0: a launch has at least 1 rank"),  # was: 1 rank checked, silently
+    (-2, {}, "--world-size -2: a launch has at least 1 rank"),
+    (0, {"WORLD_SIZE": "8"}, "--world-size 0: a launch has at least 1 rank"),
+    (None, {"WORLD_SIZE": "0"}, "WORLD_SIZE='0' is not a number of ranks"),
+    (None, {"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not a number of ranks"),
+])
+def test_a_world_size_below_one_is_refused(world, env, message, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(GspoError) as e:
+        dry_run(load_config(), world=world, out=io.StringIO())
+    assert message in str(e.value)
+
+
 def test_a_reward_that_raises_on_the_sample_is_an_error(tmp_path):
     (tmp_path / "r.py").write_text("def broken(completion, **_):\n    raise KeyError('answr')\n")
     cfg = load_config(overrides=[f"data.reward={tmp_path}/r.py:broken"])

@@ -50,9 +50,11 @@ def dry_run(cfg: Config, world: int | None = None, run_dir: str | Path | None = 
     what the run would hold; returns the figures printed (GspoError when it cannot start).
     run_dir: the directory the run would write (checked for checkpoints, never created);
     out: where the report goes (default: stdout)."""
-    world = world or int(os.environ.get("WORLD_SIZE", "1"))
+    world = launch_world() if world is None else world
     if world < 1:
-        raise ConfigError(f"the world size must be >= 1, got {world}")
+        raise ConfigError(f"--world-size {world}: a launch has at least 1 rank; give the number "
+                          f"of ranks torchrun will start (--nnodes x --nproc-per-node), or leave "
+                          f"it out for $WORLD_SIZE, else 1")
     warnings = machine_warnings(cfg)
     if run_dir is not None:
         check_run_dir(run_dir)
@@ -79,6 +81,19 @@ def dry_run(cfg: Config, world: int | None = None, run_dir: str | Path | None = 
     warnings += budget_warning(cfg, prompt_max + cfg.rollout.max_new_tokens)
     print_report(cfg, figures, model, tokenizer, sample, measured, warnings, out)
     return figures
+
+
+def launch_world() -> int:
+    """The ranks of this launch: torchrun's WORLD_SIZE, else 1."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(value)
+    except ValueError:
+        world = 0
+    if world < 1:
+        raise ConfigError(f"WORLD_SIZE={value!r} is not a number of ranks (torchrun sets it); "
+                          f"unset it, or pass --world-size N")
+    return world
 
 
 def machine_warnings(cfg: Config) -> list[str]:
