@@ -533,6 +533,31 @@ def test_every_checkpoint_damaged_is_one_error_and_nothing_is_deleted(tmp_path, 
     assert snapshot(run) == before
 
 
+def test_a_truncated_trainer_state_without_a_manifest_is_damage_too(tmp_path, capsys, caplog,
+                                                                   finished_run):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    for ckpt in (run / "checkpoints").glob("step_*"):
+        (ckpt / "manifest.json").unlink()
+        write(ckpt / "trainer_state.pt", (ckpt / "trainer_state.pt").read_bytes()[:100])
+    before = snapshot(run)
+    fails_cleanly(capsys, "train", "--resume", str(run), "train.steps=3",
+                  says="step_000002: trainer_state.pt is unreadable (truncated, or not written "
+                       "by torch.save); step_000001: trainer_state.pt is unreadable")
+    assert snapshot(run) == before
+    # with an intact one left, the resume starts from it
+    shutil.rmtree(run)
+    shutil.copytree(finished_run, run)
+    for ckpt in (run / "checkpoints").glob("step_*"):
+        (ckpt / "manifest.json").unlink()
+    newest = run / "checkpoints" / "step_000002" / "trainer_state.pt"
+    write(newest, newest.read_bytes()[:100])
+    assert main(["train", "--resume", str(run), "train.steps=3"]) == 0
+    assert "trainer_state.pt is unreadable" in caplog.text
+    assert "resuming from step_000001" in caplog.text
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("where, says", [
     ("file", "it is a file, not a directory"),
     ("file/run", "file is a file, not a directory"),

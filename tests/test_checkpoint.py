@@ -256,6 +256,44 @@ def test_no_intact_checkpoint_is_one_clear_error(tmp_path):
         latest_checkpoint(tmp_path, verify=True)
 
 
+def _without_manifest(ckpt):  # a checkpoint from before manifests, or its manifest lost
+    (ckpt / "manifest.json").unlink()
+    return ckpt
+
+
+@pytest.mark.parametrize("harm, file, says", [
+    (_truncate, "trainer_state.pt", "trainer_state.pt is unreadable (truncated"),
+    (lambda p: _truncate(p, p.stat().st_size // 2), "trainer_state.pt",
+     "trainer_state.pt is unreadable (truncated"),
+    (lambda p: _truncate(p, p.stat().st_size - 1), "model.safetensors",
+     "model.safetensors is unreadable (its size is not the one its header gives)"),
+])
+def test_an_unreadable_file_without_a_manifest_falls_back_to_the_newest_intact_one(
+        tmp_path, caplog, harm, file, says):
+    first = _without_manifest(save(tmp_path, 1))
+    second = _without_manifest(save(tmp_path, 2))
+    assert latest_checkpoint(tmp_path, verify=True) == second  # whole: nothing to say
+    harm(second / file)
+    with caplog.at_level("WARNING", logger="gspo.checkpoint"):
+        assert latest_checkpoint(tmp_path, verify=True) == first
+    assert says in caplog.text and "resuming from step_000001" in caplog.text
+
+
+def test_an_unreadable_trainer_state_with_no_intact_checkpoint_is_one_clear_error(tmp_path):
+    from gspo.errors import TrainingError
+    for step in (1, 2):
+        _truncate(_without_manifest(save(tmp_path, step)) / "trainer_state.pt")
+    with pytest.raises(TrainingError, match=r"no intact checkpoint in .*step_000002: "
+                                            r"trainer_state.pt is unreadable .*; step_000001: "
+                                            r"trainer_state.pt is unreadable .*start a new run"):
+        latest_checkpoint(tmp_path, verify=True)
+    # loaded without that check: the same file named, no torch traceback
+    with pytest.raises(TrainingError, match=r"step_000002/trainer_state.pt cannot be read "
+                                            r"\(PytorchStreamReader .*\): the checkpoint is "
+                                            r"damaged; restore the file"):
+        load_checkpoint(tmp_path / "checkpoints" / "step_000002", tiny_model())
+
+
 def test_a_full_disk_is_one_clear_error_and_keeps_the_earlier_checkpoints(tmp_path):
     import subprocess
 

@@ -16,7 +16,8 @@ if the re-save never landed). `checkpoints/latest` names the most recently writt
 
 Reads are verified: `latest_checkpoint(run_dir, verify=True)` (what a resume uses) checks every
 file against the manifest and falls back to the newest intact checkpoint, saying which and why
-(a truncated file, a flipped byte, a deleted one). A save that fails (disk full, permissions)
+(a truncated file, a flipped byte, a deleted one); a checkpoint without a manifest is checked
+for what can be seen without it (a torch or safetensors file cut short). A save that fails (disk full, permissions)
 raises one TrainingError naming the directory and the space needed, and leaves the earlier
 checkpoints as they were.
 
@@ -31,9 +32,11 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -170,12 +173,13 @@ def _sha256(path: Path) -> str:
 
 def damage(d: Path) -> str | None:
     """What is wrong with checkpoint `d`, or None when every file matches its manifest. A
-    checkpoint written before manifests existed is only checked for its required files."""
+    checkpoint without one (written before manifests existed, or its manifest lost) is checked
+    for what can be seen without it (`unreadable`)."""
     if not _is_complete(d):
         return "config, weights or trainer state missing"
     manifest = d / MANIFEST_FILE
     if not manifest.is_file():
-        return None
+        return unreadable(d)
     try:
         entries = json.loads(manifest.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -190,6 +194,56 @@ def damage(d: Path) -> str | None:
         if _sha256(path) != entry["sha256"]:
             return f"{rel} does not match the checksum it was written with"
     return None
+
+
+def unreadable(d: Path) -> str | None:
+    """What of checkpoint `d` cannot be read, without a manifest to check it against: a torch
+    file (trainer_state.pt, reference.pt) whose zip directory, at its end, is gone (truncated),
+    or a safetensors file shorter or longer than its header says. A flipped byte inside a file
+    only the manifest's hash finds."""
+    for name in (STATE_FILE, REFERENCE_FILE):
+        path = d / name
+        if path.is_file() and not _zip_readable(path):
+            return f"{name} is unreadable (truncated, or not written by torch.save)"
+    index = d / "model.safetensors.index.json"
+    try:
+        shards = (sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                  if index.is_file() else ["model.safetensors"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"{index.name} is unreadable"
+    for shard in shards:
+        if not (d / shard).is_file():
+            return f"{shard} is missing"
+        if not _safetensors_whole(d / shard):
+            return f"{shard} is unreadable (its size is not the one its header gives)"
+    return None
+
+
+def _zip_readable(path: Path) -> bool:
+    """Whether `path` opens as a zip archive, as every torch.save file since torch 1.6 is."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            z.infolist()
+        return True
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return False
+
+
+def _safetensors_whole(path: Path) -> bool:
+    """Whether a safetensors file is as long as its header says: 8 bytes of header length, the
+    JSON header, then the tensors' data up to the largest end offset."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            size = path.stat().st_size
+            if n <= 0 or 8 + n > size:
+                return False
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                  default=0)
+        return size == 8 + n + end
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return False
 
 
 def _needed_mb(ckpts: Path, model) -> float:
@@ -376,7 +430,7 @@ def load_checkpoint(
             f"incomplete checkpoint (need config.json, model.safetensors and {STATE_FILE}): "
             f"{ckpt_dir}; to resume a run, pass latest_checkpoint(run_dir)"
         )
-    payload = torch.load(ckpt_dir / STATE_FILE, map_location="cpu", weights_only=True)
+    payload = _torch_load(ckpt_dir / STATE_FILE)
     if load_weights:
         _load_weights(ckpt_dir, model)
     if optimizer is not None:
@@ -393,17 +447,29 @@ def load_checkpoint(
 def read_reference(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor] | None:
     """pi_ref's weights saved with the checkpoint, or None when it holds none."""
     path = Path(ckpt_dir) / REFERENCE_FILE
-    return torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None
+    return _torch_load(path) if path.is_file() else None
 
 
 def read_training_state(ckpt_dir: str | os.PathLike) -> tuple[dict, dict]:
     """The optimizer and scheduler state dicts a checkpoint holds, for a caller that builds its
     optimiser after loading the weights (a sharded model: see gspo.distributed)."""
-    payload = torch.load(Path(ckpt_dir) / STATE_FILE, map_location="cpu", weights_only=True)
+    payload = _torch_load(Path(ckpt_dir) / STATE_FILE)
     for what in ("optimizer", "scheduler"):
         if payload.get(what) is None:
             raise ValueError(f"checkpoint {ckpt_dir} has no {what} state (saved with {what}=None)")
     return payload["optimizer"], payload["scheduler"]
+
+
+def _torch_load(path: Path):
+    """A checkpoint's torch file; one that cannot be read (damaged after a resume checked it, or
+    loaded without that check) is a TrainingError naming it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise TrainingError(f"{path} cannot be read ({why}): the checkpoint is damaged; restore "
+                            f"the file, or move {path.parent} aside to resume from the "
+                            f"checkpoint before it") from e
 
 
 def _load_component(obj, state_dict: dict | None, what: str, ckpt_dir: Path) -> None:
