@@ -117,9 +117,13 @@ def resume_config(run_dir: Path, config: str | None, overrides: list[str]):
     from gspo.runlock import check_run_dir
     from gspo.runrecord import read_record, saved_config
 
-    if run_dir.is_file():
+    try:
+        is_file = run_dir.is_file()
+    except OSError:  # a name too long to look at: check_run_dir says so
+        is_file = False
+    if is_file:
         raise TrainingError(f"--resume takes a run directory (gspo train --output-dir's); "
-                            f"{run_dir} is a file")
+                            f"{run_dir}: it is a file, not a directory")
     check_run_dir(run_dir)
     if config is not None:
         return load_config(config, overrides)
