@@ -302,6 +302,9 @@ def test_a_utf8_byte_order_mark_is_read_past(tmp_path, name, content):
 @pytest.mark.parametrize("name, content, message", [
     ("t.json", b'[{"prompt": "a", "answer": "1"}, {"prompt": ', r"t.json: not valid JSON"),
     ("u.json", b'[{"prompt": "\xff"}]', r"u.json: not UTF-8 text \(byte 0xff at offset 13\)"),
+    # read as JSONL, a pretty-printed object gave one 'not valid JSON' per line
+    ("o.json", b'{\n  "prompt": "a",\n  "answer": "1"\n}\n',
+     r"o.json: one JSON object spread over several lines; a .json data file holds an array"),
     ("c.parquet", b"PAR1 this is not parquet", r"c.parquet: not a readable Parquet file"),
 ])
 def test_an_unreadable_file_is_one_error_naming_it(tmp_path, name, content, message):

@@ -69,5 +69,13 @@ def test_cli_missing_run_dir_returns_two_with_one_error_line(tmp_path, capsys):
     assert len(err) == 1 and "missing" in err[0]
 
 
+def test_cli_given_the_metrics_file_names_its_run_dir(tmp_path, capsys):
+    run = fake_run(tmp_path / "run")
+    assert main([str(run / "metrics.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(f"is a file; pass the run directory that holds "
+                                             f"its metrics.jsonl, e.g. gspo plot {run}")
+
+
 def test_cli_without_runs_returns_two(capsys):
     assert main([]) == 2

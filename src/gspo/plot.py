@@ -49,6 +49,9 @@ def plot_runs(
 def _load_run(run_dir: Path) -> list[dict]:
     """The run's metric rows; ValueError naming the dir when it has no metrics.jsonl, or the
     line and the fix when a line other than the last cannot be read."""
+    if run_dir.is_file():  # e.g. the run's metrics.jsonl itself
+        raise ValueError(f"{run_dir} is a file; pass the run directory that holds its "
+                         f"{METRICS_FILE}, e.g. gspo plot {run_dir.parent}")
     if not run_dir.is_dir():
         raise ValueError(f"run dir does not exist: {run_dir}")
     if not (run_dir / METRICS_FILE).is_file():

@@ -52,6 +52,10 @@ def _raw_rows(path: Path, split: str, subset: str = "") -> Iterator[tuple[int, A
         raise DatasetError(f"data.subset={subset!r} names a configuration of a hub dataset, but "
                            f"{path} is a {'saved datasets directory' if saved else 'file'} (it "
                            f"has none); drop data.subset")
+    if suffix == ".json" and not saved and _is_object_over_lines(path):
+        raise DatasetError(f"{path}: one JSON object spread over several lines; a .json data "
+                           f"file holds an array of rows, [{{...}}, {{...}}], or one row per "
+                           f"line (JSONL)")
     if saved:
         yield from _saved_rows(path, split)
     elif suffix in (".jsonl", ".ndjson") or (suffix == ".json" and not _is_json_array(path)):
@@ -122,6 +126,18 @@ def _data_extra(module: str, what: str):
     except ImportError as e:
         raise DatasetError(f"{what} needs the {module.split('.')[0]} package ({e}): pip install "
                            f"'gspo[data]'") from None
+
+
+def _is_object_over_lines(path: Path) -> bool:
+    """Whether the file is a single (pretty-printed) JSON object, which read as JSONL would
+    give one 'not valid JSON' per line."""
+    text = path.read_bytes().removeprefix(codecs.BOM_UTF8).strip()
+    if not text.startswith(b"{") or b"\n" not in text:
+        return False
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:  # JSONL's several objects, or broken JSON: reported row by row
+        return False
 
 
 def _is_json_array(path: Path) -> bool:
