@@ -362,7 +362,7 @@ def latest_checkpoint(path: str | os.PathLike, verify: bool = False) -> Path | N
     warning) and the next older one is tried; TrainingError when none is intact.
     """
     path = Path(path)
-    if _STEP_RE.match(path.name):
+    if is_step_dir(path):
         candidates = [path] if _is_complete(path) else []
     else:
         ckpts = path / CHECKPOINTS_DIR if (path / CHECKPOINTS_DIR).is_dir() else path
@@ -394,7 +394,7 @@ def latest_checkpoint(path: str | os.PathLike, verify: bool = False) -> Path | N
 
 def _complete_checkpoints(ckpts: Path) -> list[Path]:
     """Complete `step_*` dirs in `ckpts`, oldest step first."""
-    found = [d for d in ckpts.iterdir() if _STEP_RE.match(d.name) and _is_complete(d)]
+    found = [d for d in ckpts.iterdir() if is_step_dir(d) and _is_complete(d)]
     return sorted(found, key=lambda d: int(_STEP_RE.match(d.name).group(1)))
 
 

@@ -129,13 +129,12 @@ def resume_config(run_dir: Path, config: str | None, overrides: list[str]):
         return load_config(config, overrides)
     if (run_dir / "config.yaml").is_file():
         try:
-            load_config(run_dir / "config.yaml")  # the file itself, before the overrides
+            return load_config(run_dir / "config.yaml", overrides)
         except ConfigError as e:
-            if latest_checkpoint(run_dir) is None:
-                raise
+            if latest_checkpoint(run_dir) is None or _loads(run_dir / "config.yaml"):
+                raise  # nothing to fall back on, or the overrides are what is wrong
             raise ConfigError(f"{e}; to resume with the config saved with the latest checkpoint "
                               f"instead, delete {run_dir / 'config.yaml'}") from None
-        return load_config(run_dir / "config.yaml", overrides)
     ckpt = latest_checkpoint(run_dir) if run_dir.is_dir() else None
     if ckpt is None:
         raise TrainingError(f"--resume {run_dir}: no run to resume there (no config.yaml, no "
@@ -143,6 +142,17 @@ def resume_config(run_dir: Path, config: str | None, overrides: list[str]):
     logging.getLogger(__name__).warning("%s/config.yaml is missing: resuming with the config "
                                         "saved with %s", run_dir, ckpt.name)
     return saved_config(run_dir, read_record(ckpt), overrides)
+
+
+def _loads(path: Path) -> bool:
+    """Whether the config file loads on its own (without the command's overrides)."""
+    from gspo.config import load_config
+    from gspo.errors import ConfigError
+    try:
+        load_config(path)
+    except ConfigError:
+        return False
+    return True
 
 
 def fetch_model_main(argv: list[str]) -> int:
