@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gspo.rewards.code import CodeReward, extract_code, normalize_tests, outputs_match
+from gspo.rewards.code import (CodeReward, extract_code, normalize_tests, outputs_match,
+                               values_match)
 from gspo.sandbox import UID_BASE, Limits, Sandbox
 
 REPO = Path(__file__).resolve().parents[1]
@@ -207,6 +208,16 @@ def test_outputs_match_tokens_and_numbers():
     assert outputs_match("0.3333333\n", "0.33333333")
     assert not outputs_match("1 2", "1 2 3")
     assert not outputs_match("yes", "YES")
+
+
+def test_integers_must_match_exactly_not_within_a_tolerance():
+    # 1e-6 relative would take an off-by-one answer modulo 10^9 + 7 for the right one
+    assert not outputs_match("1000000008", "1000000007")
+    assert outputs_match("1000000007\n", "1000000007")
+    assert outputs_match("3.0000000001", "3")  # a real number still within 1e-6
+    assert not values_match(10**9 + 8, 10**9 + 7)
+    assert not values_match([10**12 + 1], [10**12])
+    assert values_match(3, 3.0000000001)
 
 
 def test_normalize_tests_formats_and_errors():

@@ -3,10 +3,10 @@
 A row's tests come in the formats the code-RL community uses and are read into stdin tests and
 call tests by `normalize_tests` (gspo.rewards.code_tests, which the data loader shares without
 importing the sandbox). A stdin test passes when the whitespace-separated tokens of stdout equal
-the expected ones (numbers within 1e-6). A call test passes when the returned value equals the
-expected one (JSON round trip; numbers within 1e-6; APPS's `[value]` wrapping of an expected
-value is accepted). The program is the last fenced code block of the completion (```python
-preferred), or the whole completion when it has no fence.
+the expected ones (integers exactly, other numbers within 1e-6). A call test passes when the
+returned value equals the expected one (JSON round trip; numbers as for stdin; APPS's `[value]`
+wrapping of an expected value is accepted). The program is the last fenced code block of the
+completion (```python preferred), or the whole completion when it has no fence.
 
 Each test runs in a fresh sandbox (`gspo.sandbox`), all tests of a completion in parallel.
 Score: 1.0 when every test passes (mode 'all', which stops at the first failure) or the
@@ -80,6 +80,10 @@ def extract_code(completion: str) -> str | None:
 def _tokens_match(a: str, b: str) -> bool:
     if a == b:
         return True
+    try:  # integers exactly: within 1e-6 relative, 1000000008 would pass for 1000000007
+        return int(a) == int(b)
+    except ValueError:
+        pass
     try:
         x, y = float(a), float(b)
     except ValueError:
@@ -88,7 +92,8 @@ def _tokens_match(a: str, b: str) -> bool:
 
 
 def outputs_match(got: str, expected: str) -> bool:
-    """Token-wise equality of two outputs, numbers within 1e-6 (the default CodeForces check)."""
+    """Token-wise equality of two outputs: integers exactly, other numbers within 1e-6 (absolute
+    or relative, the usual CodeForces check for real numbers)."""
     g, e = got.split(), expected.split()
     return len(g) == len(e) and all(_tokens_match(x, y) for x, y in zip(g, e, strict=True))
 
@@ -97,6 +102,8 @@ def values_match(got: Any, expected: Any) -> bool:
     """Equality of a returned value and the expected one after a JSON round trip."""
     if isinstance(got, bool) or isinstance(expected, bool):
         return got == expected
+    if isinstance(got, int) and isinstance(expected, int):
+        return got == expected  # exactly, as for stdin tokens
     if isinstance(got, (int, float)) and isinstance(expected, (int, float)):
         return math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-6)
     if isinstance(got, list) and isinstance(expected, list):
