@@ -256,6 +256,13 @@ def test_no_intact_checkpoint_is_one_clear_error(tmp_path):
         latest_checkpoint(tmp_path, verify=True)
 
 
+def _unknown_dtype(path):  # a header of the same length that safetensors cannot parse
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    data[8:8 + n] = data[8:8 + n].replace(b'"F32"', b'"X32"', 1)
+    path.write_bytes(bytes(data))
+
+
 def _without_manifest(ckpt):  # a checkpoint from before manifests, or its manifest lost
     (ckpt / "manifest.json").unlink()
     return ckpt
@@ -267,6 +274,8 @@ def _without_manifest(ckpt):  # a checkpoint from before manifests, or its manif
      "trainer_state.pt is unreadable (truncated"),
     (lambda p: _truncate(p, p.stat().st_size - 1), "model.safetensors",
      "model.safetensors is unreadable (its size is not the one its header gives)"),
+    (_unknown_dtype, "model.safetensors", "model.safetensors is unreadable (Error while "
+                                          "deserializing header"),
 ])
 def test_an_unreadable_file_without_a_manifest_falls_back_to_the_newest_intact_one(
         tmp_path, caplog, harm, file, says):
@@ -292,6 +301,20 @@ def test_an_unreadable_trainer_state_with_no_intact_checkpoint_is_one_clear_erro
                                             r"\(PytorchStreamReader .*\): the checkpoint is "
                                             r"damaged; restore the file"):
         load_checkpoint(tmp_path / "checkpoints" / "step_000002", tiny_model())
+
+
+def test_a_safetensors_file_of_the_right_size_that_cannot_be_read_is_one_clear_error(tmp_path):
+    from gspo.errors import TrainingError
+    ckpt = _without_manifest(save(tmp_path, 1))
+    _unknown_dtype(ckpt / "model.safetensors")  # its size still the one its header gives
+    with pytest.raises(TrainingError, match=r"no intact checkpoint .*model.safetensors is "
+                                            r"unreadable \(Error while deserializing header"):
+        latest_checkpoint(tmp_path, verify=True)
+    # loaded without that check: the file named, no safetensors traceback
+    with pytest.raises(TrainingError, match=r"step_000001/model.safetensors cannot be read "
+                                            r"\(Error while deserializing header.*\): the "
+                                            r"checkpoint is damaged; restore the file"):
+        load_checkpoint(ckpt, tiny_model())
 
 
 def test_a_full_disk_is_one_clear_error_and_keeps_the_earlier_checkpoints(tmp_path):

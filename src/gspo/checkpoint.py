@@ -199,8 +199,8 @@ def damage(d: Path) -> str | None:
 def unreadable(d: Path) -> str | None:
     """What of checkpoint `d` cannot be read, without a manifest to check it against: a torch
     file (trainer_state.pt, reference.pt) whose zip directory, at its end, is gone (truncated),
-    or a safetensors file shorter or longer than its header says. A flipped byte inside a file
-    only the manifest's hash finds."""
+    or a safetensors file shorter or longer than its header says, or whose header safetensors
+    cannot read. A flipped byte inside a file only the manifest's hash finds."""
     for name in (STATE_FILE, REFERENCE_FILE):
         path = d / name
         if path.is_file() and not _zip_readable(path):
@@ -216,6 +216,9 @@ def unreadable(d: Path) -> str | None:
             return f"{shard} is missing"
         if not _safetensors_whole(d / shard):
             return f"{shard} is unreadable (its size is not the one its header gives)"
+        problem = _safetensors_header_problem(d / shard)
+        if problem is not None:
+            return f"{shard} is unreadable ({problem})"
     return None
 
 
@@ -244,6 +247,19 @@ def _safetensors_whole(path: Path) -> bool:
         return size == 8 + n + end
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return False
+
+
+def _safetensors_header_problem(path: Path) -> str | None:
+    """What safetensors itself finds wrong with the header of a file whose size is right (a
+    dtype or offsets it cannot read), or None; the tensors' data are not read."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            f.keys()
+        return None
+    except (SafetensorError, OSError) as e:
+        return (str(e).splitlines() or [type(e).__name__])[0][:200]
 
 
 def _needed_mb(ckpts: Path, model) -> float:
@@ -503,13 +519,22 @@ def _read_safetensors(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     """All tensors of a single-file or sharded (index.json) safetensors checkpoint, on CPU."""
     from safetensors.torch import load_file
 
+    def load(path: Path) -> dict[str, torch.Tensor]:
+        try:
+            return load_file(path)
+        except SafetensorError as e:  # damaged after a resume checked it, or never checked
+            why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            raise TrainingError(f"{path} cannot be read ({why}): the checkpoint is damaged; "
+                                f"restore the file, or move {path.parent} aside to resume "
+                                f"from the checkpoint before it") from e
+
     index = ckpt_dir / "model.safetensors.index.json"
     if not index.is_file():
-        return load_file(ckpt_dir / "model.safetensors")
+        return load(ckpt_dir / "model.safetensors")
     shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
-        state.update(load_file(ckpt_dir / shard))
+        state.update(load(ckpt_dir / shard))
     return state
 
 
