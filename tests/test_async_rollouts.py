@@ -301,6 +301,22 @@ def test_a_resumed_async_run_loses_no_update(tmp_path, tiny_overrides):
     assert torch.get_num_threads() == threads  # and torch has its threads back
 
 
+def test_the_sampler_samples_no_step_past_the_runs_last(tmp_path, tiny_overrides, monkeypatch):
+    """train.steps=4: steps 0-3 are sampled, once each; none past them, whose batches the final
+    evaluation and the sampler's close would wait for (k + 1 of them), scoring them besides."""
+    sampled = []
+
+    def spy(run, step, *args, **kwargs):
+        sampled.append(step)
+        return step_mod.sample_batch(run, step, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "sample_batch", spy)
+    for k in (1, 2):
+        sampled.clear()
+        run_async(tmp_path / f"k{k}", tiny_overrides, f"rollout.max_staleness={k}")
+        assert sorted(sampled) == [0, 1, 2, 3]
+
+
 def test_a_closed_sampler_keeps_no_reference_to_its_producer_even_after_a_failure():
     """A failed batch's traceback holds the producer's frames (and through them the run):
     close() drops it with the producer, so nothing of the run waits for the collector."""

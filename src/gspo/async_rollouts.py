@@ -141,7 +141,9 @@ class Batch:
 
 
 class AsyncSampler:
-    """Samples step m's batch from weight version max(start, m - k) in a background thread.
+    """Samples step m's batch from weight version max(start, m - k) in a background thread,
+    for the steps before `end` (the run's last step: none past it, whose sampling and scoring
+    the final evaluation and close() would wait for, to no use).
 
     produce(step, hold) -> Batch: runs in the sampler's thread (no collectives) and uses the
     engine only inside `with hold():`, which holds it with the step's weights loaded (an
@@ -152,10 +154,11 @@ class AsyncSampler:
     def __init__(self, engine, staleness: int, start: int,
                  weights: Iterable[tuple[str, torch.Tensor]],
                  produce: Callable[[int, Callable[[], contextlib.AbstractContextManager]], Batch],
-                 threads: int | None = None, cores: CoreShare | None = None):
+                 threads: int | None = None, cores: CoreShare | None = None,
+                 end: int | None = None):
         if staleness < 1:
             raise ValueError(f"max_staleness={staleness}: the sampler runs ahead by 1 or more")
-        self.engine, self.k, self.start = engine, staleness, start
+        self.engine, self.k, self.start, self.end = engine, staleness, start, end
         self._make, self._threads, self.cores = produce, threads, cores
         if cores is not None and cores.lend and hasattr(engine, "on_step"):
             engine.on_step = cores.adjust  # in whichever thread decodes (evaluation: the trainer's)
@@ -245,7 +248,7 @@ class AsyncSampler:
             torch.set_num_threads(self._threads or torch.get_num_threads())
         step = self.start
         try:
-            while True:
+            while self.end is None or step < self.end:
                 version = self.version_for(step)
                 with self._cond, self._waiting(self._published < version):
                     while self._published < version and not self._closing:

@@ -98,7 +98,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, *, reward_fn=N
                 # ---- supervised warm-up (a new run)
                 run_warmup(run, stop)
                 save_run_config(run)
-                start_sampler(run)
+                start_sampler(run, end=cfg.train.steps)
                 run.callbacks.on_train_begin(run)
                 # ---- RL steps
                 summary = rl_loop(run, resume, logger, stop)
@@ -259,9 +259,10 @@ def save_run_config(run: Run) -> None:
         save_config(run.cfg, run.run_dir / "config.yaml")
 
 
-def start_sampler(run: Run) -> None:
+def start_sampler(run: Run, end: int | None = None) -> None:
     """rollout.max_staleness >= 1: the background sampler (gspo.async_rollouts), from the
-    engine's weights, which are the policy's (version run.start_step). On the CPU the two
+    engine's weights, which are the policy's (version run.start_step), for the steps before
+    `end` (None: as many as rl_step asks for). On the CPU the two
     threads share the cores (CoreShare): each computes with half of torch's threads (or the
     sampler with rollout.sampler_threads, the trainer with all) while both work, and with all
     of them while the other waits."""
@@ -284,7 +285,7 @@ def start_sampler(run: Run) -> None:
     run.sampler = AsyncSampler(run.engine, run.cfg.rollout.max_staleness, run.start_step,
                                policy_weights(run.policy, run.model),
                                lambda step, hold: sample_batch(run, step, hold),
-                               sampler_threads, cores)
+                               sampler_threads, cores, end)
 
 
 def rl_loop(run: Run, resume: bool, logger: MetricsLogger,
