@@ -197,6 +197,8 @@ def test_gspo_eval_of_a_reward_that_failed_on_every_sample_is_an_error_not_0(mod
     (["--data", str(DATA / "math_mini.jsonl"), "--output", str(DATA)], "must name a file"),
     (["--data", str(DATA / "math_mini.jsonl"), "--output", "/no/such/dir/e.jsonl"],
      "must name a file in an existing directory"),
+    (["--data", str(DATA / "math_mini.jsonl"), "--output", "/proc/e.jsonl"],
+     "--output /proc/e.jsonl: cannot write it"),
 ])
 def test_gspo_eval_errors_exit_2_with_one_line(model_dir, capsys, args, message):
     rc = cli_main(["eval", "--model", str(model_dir), "--task", "math", *args])

@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     output = Path(args.output or f"eval-{args.task}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
     if output.is_dir() or not output.parent.is_dir():  # before the evaluation, not after it
         raise ConfigError(f"--output {output}: must name a file in an existing directory")
+    check_writable(output)
     if args.k < 1 or args.batch_size < 1 or args.limit < 0:
         raise ConfigError("--k and --batch-size must be >= 1 and --limit >= 0")
     try:
@@ -230,6 +231,20 @@ def report_records(result: EvalResult, rows: Sequence[dict], k: int) -> list[dic
                     **{f"pass@{j}": result.pass_at[j] for j in ks},
                     "reward_failures": result.reward_failures})
     return records
+
+
+def check_writable(path: Path) -> None:
+    """ConfigError unless `path` can be written (a directory without write permission, a
+    read-only filesystem): said before the evaluation, whose results would otherwise be lost.
+    An existing file is left as it is; a new one is not left behind."""
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--output {path}: cannot write it ({e.strerror or e})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
 
 
 def write_jsonl(records: list[dict], path: Path) -> None:
