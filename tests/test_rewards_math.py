@@ -110,6 +110,19 @@ def test_answer_window_and_reference_text():
     assert reference_text("Step... #### 1,234") == "$1234$"
     assert reference_text("\\frac{1}{2}") == "$\\frac{1}{2}$"
     assert reference_text("so \\boxed{5}") == "so \\boxed{5}"
+    assert reference_text(1e-05) == "$0.00001$" and reference_text("#### 2e3") == "$2000$"
+
+
+@pytest.mark.parametrize("completion, answer", [
+    ("\\boxed{0.00001}", 1e-05),          # a JSON number 0.00001 reads as the float 1e-05
+    ("\\boxed{100000000000000000000}", 1e20),
+    ("\\boxed{0.00015}", "1.5E-4"),
+])
+def test_a_float_reference_in_exponent_notation_is_its_number_not_eulers_e(reward, completion,
+                                                                           answer):
+    # str(1e-05) is '1e-05', which math-verify parsed as E - 5: every sample scored 0
+    assert reward(completion, answer=str(answer)) == 1.0
+    assert reward("\\boxed{e - 5}", answer=str(answer)) == 0.0
 
 
 def test_a_list_of_answers_accepts_any_of_them():

@@ -31,11 +31,13 @@ import subprocess
 import sys
 import threading
 import time
+from decimal import Decimal
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 _BOXED = re.compile(r"\\boxed\s*\{.*\}", re.DOTALL)
+_EXPONENT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d{1,3}")  # 1e-05, as str(float) writes
 _STARTUP_S = 120.0  # importing sympy + math-verify, on a loaded machine
 
 
@@ -50,10 +52,13 @@ def answer_window(completion: str, max_chars: int = 4096) -> str:
 
 
 def reference_text(answer) -> str:
-    """The reference as math-verify parses it: after GSM8K's '####', in $...$ unless boxed."""
+    """The reference as math-verify parses it: after GSM8K's '####', a number in exponent
+    notation written out, in $...$ unless boxed."""
     text = str(answer).strip()
     if "####" in text:
         text = text.rsplit("####", 1)[1].strip().replace(",", "")
+    if _EXPONENT.fullmatch(text):  # a float reference (JSON 0.00001 is 1e-05), which
+        text = format(Decimal(text), "f")  # math-verify would read as Euler's e minus 5
     if "\\boxed" in text or (text.startswith("$") and text.endswith("$")):
         return text
     return f"${text}$"
