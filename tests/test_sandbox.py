@@ -137,6 +137,19 @@ def test_a_program_reads_stdin_and_its_stdout_is_compared(reward):
     assert reward("```python\nprint(0)\n```", tests=[{"input": "1 2\n", "output": "3\n"}]) == 0.0
 
 
+def test_a_right_program_with_an_output_longer_than_the_stdout_cap_passes():
+    # the cap (output_limit) is for runaway printing, not for a test whose answer is long
+    reward = CodeReward(sandbox=Sandbox(Limits(wall_s=10, cpu_s=10, stdout_bytes=1000)),
+                        workers=1)
+    expected = "\n".join(map(str, range(1000))) + "\n"  # 3890 bytes
+    program = "```python\nprint(*range(int(input())), sep='\\n')\n```"
+    try:
+        assert reward(program, tests=[{"input": "1000\n", "output": expected}]) == 1.0
+        assert reward(program, tests=[{"input": "1000\n", "output": "0"}]) == 0.0
+    finally:
+        reward.close()
+
+
 def test_fraction_mode_scores_the_passing_share(sandbox):
     frac = CodeReward(mode="fraction", sandbox=sandbox, workers=2)
     tests = [{"input": "1\n", "output": "1"}, {"input": "2\n", "output": "2"},

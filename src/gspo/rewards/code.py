@@ -25,7 +25,7 @@ import os
 import re
 import threading
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gspo.errors import ConfigError
@@ -188,14 +188,24 @@ class CodeReward:
             return self._pool
 
     def _run_one(self, code: str, test: dict) -> TestOutcome:
-        sb = self.sandbox
+        sb, lim = self.sandbox, self._limits(test)
         if test["kind"] == "stdin":
-            r = sb.run({"main.py": code}, [sb.python, "-I", "-B", "main.py"], test["input"])
+            r = sb.run({"main.py": code}, [sb.python, "-I", "-B", "main.py"], test["input"],
+                       lim)
         else:
             spec = json.dumps({"fn_name": test["fn_name"], "args": test["args"]})
             r = sb.run({"harness.py": CALL_HARNESS, "solution.py": code, "call.json": spec},
-                       [sb.python, "-I", "-B", "harness.py"])
+                       [sb.python, "-I", "-B", "harness.py"], limits=lim)
         return _judge(test, r)
+
+    def _limits(self, test: dict) -> Limits:
+        """The sandbox's limits, with room on stdout for twice the expected output: a right
+        program whose output is longer than the cap would be killed ('output_limit')."""
+        expected = (test["output"] if test["kind"] == "stdin"
+                    else json.dumps(test["expected"], default=repr))
+        need = 2 * len(expected.encode()) + 4096
+        lim = self.sandbox.limits
+        return lim if need <= lim.stdout_bytes else replace(lim, stdout_bytes=need)
 
     def run_tests(self, completion: str, tests: Any, fn_name: str | None = None
                   ) -> list[TestOutcome]:
