@@ -179,6 +179,18 @@ def test_gspo_eval_of_a_reward_that_failed_on_every_sample_is_an_error_not_0(mod
     assert len(out.read_text().splitlines()) == 3  # the samples are kept to debug it with
 
 
+def test_gspo_eval_bounds_a_reward_call_by_data_reward_fn_timeout(model_dir, tmp_path, capsys):
+    # as gspo train's evaluation does: a reward that hangs (a network call) must not hang eval
+    (tmp_path / "rw.py").write_text("import time\n\n"
+                                    "def slow(completion, **_):\n    time.sleep(3)\n"
+                                    "    return 1.0\n")
+    rc = cli_main(["eval", "--model", str(model_dir), "--data", str(DATA / "math_mini.jsonl"),
+                   "--task", "math", "--k", "1", "--limit", "1", "--max-new-tokens", "2",
+                   f"data.reward={tmp_path}/rw.py:slow", "data.reward_fn_timeout=0.2",
+                   "--output", str(tmp_path / "eval.jsonl")])
+    assert rc == 2 and "TimeoutError: the reward took longer than 0.2 s" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--data", "/no/such.jsonl"], "data.path '/no/such.jsonl' not found"),
     (["--data", str(DATA / "gsm8k_mini.jsonl")], "row 1: field 'prompt' (prompt) is missing"),

@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = evaluate(engine, tokenizer, rows, reward_fn, args.k, params, args.seed,
                           batch_size=args.batch_size,
-                          system_prompt=cfg.data.system_prompt or None)
+                          system_prompt=cfg.data.system_prompt or None,
+                          reward_timeout_s=cfg.data.reward_fn_timeout or None)
     finally:
         close_reward(reward_fn)
         engine.close()
