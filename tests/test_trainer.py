@@ -1,18 +1,22 @@
 import dataclasses
 import json
 import math
+import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gspo import Callback
 from gspo import metrics as M
 from gspo.checkpoint import latest_checkpoint
 from gspo.config import load_config
 from gspo.logger import read_metrics
 from gspo.errors import TrainingError
 from gspo.preflight import build_model
+from gspo.signals import Interrupted
 from gspo.trainer import train
 
 REQUIRED_KEYS = ["step", M.REWARD_MEAN, M.REWARD_STD, M.LOSS, M.CLIP_FRAC, M.CLIP_FRAC_LOW,
@@ -93,6 +97,35 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, tiny_overrid
     b = AutoModelForCausalLM.from_pretrained(latest_checkpoint(tmp_path / "cut")).state_dict()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+class SigtermAfterStep(Callback):
+    """SIGTERM to this process at the end of RL step `step` (index): its evaluation, next, is
+    abandoned within a batch."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, run, step, metrics):
+        if step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("steps", [4, 2])  # an evaluation mid-run, and the final one
+def test_an_evaluation_a_sigterm_abandoned_is_made_by_the_resume(tmp_path, tiny_overrides,
+                                                                  dense_reward, steps):
+    """Stopped in the evaluation after step 2, the resumed run evaluates step 2 and logs its
+    row once, with it: the metrics equal an uninterrupted run's (without the resume, step 2's
+    row had no eval/* and a final evaluation was never made)."""
+    base = tiny_overrides + [f"train.steps={steps}", "train.eval_every=2", "train.save_every=0"]
+    summary = train(load_config(overrides=base), tmp_path / "full")
+    with pytest.raises(Interrupted, match="after 2 of .* RL steps \\(its evaluation abandoned"):
+        train(load_config(overrides=base), tmp_path / "cut", callbacks=[SigtermAfterStep(1)])
+    resumed = train(load_config(overrides=base), tmp_path / "cut", resume=True)
+    full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
+    assert M.EVAL_ACCURACY in cut[2]
+    assert _strip_timing(full) == _strip_timing(cut)
+    assert resumed.final_accuracy == summary.final_accuracy
 
 
 def test_run_dir_with_checkpoints_is_never_overwritten(tmp_path, tiny_overrides):

@@ -55,6 +55,7 @@ from gspo.weights import copy_weights_
 log = logging.getLogger(__name__)
 
 WARMUP_DONE = "warmup_done"  # in a warm-up checkpoint's state: the warm-up steps it holds
+UNEVALUATED = "unevaluated_row"  # in a stop's checkpoint: its step's row, evaluation abandoned
 
 
 def train(cfg: Config, run_dir: str | Path, resume: bool = False, *, reward_fn=None,
@@ -90,7 +91,9 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, *, reward_fn=N
         try:
             # before the warm-up: a tracker that cannot start (wandb without a key) fails now
             with MetricsLogger(run.run_dir, enabled=run.dist.is_main,
-                               resume_from_step=run.start_step if resume else None,
+                               # a row whose evaluation a signal abandoned is logged again
+                               resume_from_step=(run.start_step - (UNEVALUATED in run.state)
+                                                 if resume else None),
                                report_to=cfg.train.report_to, config=to_dict(cfg),
                                project=cfg.train.project,
                                history=run.checkpoint / METRICS_FILE if run.checkpoint else None
@@ -306,6 +309,8 @@ def rl_loop(run: Run, resume: bool, logger: MetricsLogger,
         logger.log(0, first)
         run.callbacks.on_evaluate(run, 0, first)
     final_acc = run.state.get("final_accuracy", start_acc)
+    if UNEVALUATED in run.state:  # a signal abandoned the evaluation of the step resumed at
+        final_acc = _evaluate_resumed(run, logger, stop, start_acc, final_acc)
     rl_t0 = time.perf_counter()
     bar = progress(range(run.start_step, t.steps), cfg.algorithm.name.upper(),
                     t.progress and run.dist.is_main)
@@ -316,10 +321,10 @@ def rl_loop(run: Run, resume: bool, logger: MetricsLogger,
         done = step + 1
         if t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps):
             evaluated = run_eval(run, stop)
-            if evaluated is None:  # a signal: the step's own row is kept, its evaluation not
-                logger.log(done, row)
+            if evaluated is None:  # a signal: the step's own row is kept, and evaluated and
+                logger.log(done, row)  # logged again by the resume
                 _halt(run, stop, done, saved, start_acc, final_acc,
-                      " (its evaluation abandoned)")
+                      " (its evaluation abandoned)", unevaluated=row)
             run.callbacks.on_evaluate(run, done, evaluated)
             row.update(evaluated)
             final_acc = row[M.EVAL_ACCURACY]
@@ -334,6 +339,23 @@ def rl_loop(run: Run, resume: bool, logger: MetricsLogger,
         save(run, 0, start_acc, final_acc)
     return Summary(run.run_dir, start_acc, final_acc, run.warmup_s,
                    time.perf_counter() - rl_t0, _peak_rss_mb(), t.steps)
+
+
+def _evaluate_resumed(run: Run, logger: MetricsLogger, stop: StopRequest | None, start_acc,
+                      final_acc):
+    """The evaluation a signal abandoned after step run.start_step, as the run never stopped
+    would have made it: its row logged again with it (the checkpoint keeps the row: a resume
+    from it again evaluates again, to the same numbers). Returns the held-out accuracy."""
+    done, row, t = run.start_step, dict(run.state[UNEVALUATED]), run.cfg.train
+    if t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps):
+        evaluated = run_eval(run, stop)
+        if evaluated is None:  # stopped again: the checkpoint holds the row still
+            _halt(run, stop, done, done, start_acc, final_acc, " (its evaluation abandoned)")
+        run.callbacks.on_evaluate(run, done, evaluated)
+        row.update(evaluated)
+        final_acc = row[M.EVAL_ACCURACY]
+    logger.log(done, row)
+    return final_acc
 
 
 def run_eval(run: Run, stop: StopRequest | None = None) -> dict[str, float] | None:
@@ -366,10 +388,12 @@ def _evaluate(run: Run, engine: RolloutEngine, rows: list[dict], stop: StopReque
 
 
 def save(run: Run, done: int, start_acc, final_acc,
-         warmup: tuple[int, torch.optim.Optimizer] | None = None) -> int:
+         warmup: tuple[int, torch.optim.Optimizer] | None = None,
+         unevaluated: dict[str, float] | None = None) -> int:
     """Checkpoint the state after `done` RL steps (a collective when sharded); returns done.
     warmup: (steps done, its optimiser) of a warm-up stopped part-way, which the checkpoint
-    holds instead of the RL optimiser's state, for a resume to continue it."""
+    holds instead of the RL optimiser's state, for a resume to continue it. unevaluated: step
+    `done`'s row, whose evaluation a signal abandoned, for a resume to evaluate."""
     # DDP: every rank holds the same state, rank 0's is the run's; FSDP: gathered to 0
     optimizer = run.optimizer if warmup is None else warmup[1]
     weights, optimizer_state = checkpoint_state(run.policy, run.model, optimizer)
@@ -389,6 +413,7 @@ def save(run: Run, done: int, start_acc, final_acc,
         state = {"step": done, "start_accuracy": start_acc, "final_accuracy": final_acc,
                  "update_rng": run.gen.get_state(),
                  **({WARMUP_DONE: warmup[0]} if warmup is not None else {}),
+                 **({UNEVALUATED: dict(unevaluated)} if unevaluated is not None else {}),
                  **({"grad_scaler": run.scaler.state_dict()} if run.scaler is not None else {})}
         save_checkpoint(run.run_dir, done, run.model, run.tokenizer, optimizer,
                         run.scheduler, state,
@@ -399,10 +424,11 @@ def save(run: Run, done: int, start_acc, final_acc,
 
 
 def _halt(run: Run, stop: StopRequest, done: int, saved: int | None, start_acc,
-          final_acc, note: str = "") -> None:
-    """After a signal: checkpoint the last finished step (unless it is saved) and stop."""
+          final_acc, note: str = "", unevaluated: dict[str, float] | None = None) -> None:
+    """After a signal: checkpoint the last finished step (unless it is saved) and stop.
+    unevaluated: the step's row, whose evaluation was abandoned (see `save`)."""
     if saved != done:
-        save(run, done, start_acc, final_acc)
+        save(run, done, start_acc, final_acc, unevaluated=unevaluated)
     _stopped(run, stop, f"after {done} of {run.cfg.train.steps} RL steps{note}", done)
 
 
