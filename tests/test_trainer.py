@@ -128,6 +128,20 @@ def test_an_evaluation_a_sigterm_abandoned_is_made_by_the_resume(tmp_path, tiny_
     assert resumed.final_accuracy == summary.final_accuracy
 
 
+def test_a_checkpoint_a_killed_resave_moved_aside_is_what_the_resume_finds(tmp_path,
+                                                                          tiny_overrides):
+    """A re-save of a step renames the finished checkpoint to .old-step_N-PID before it renames
+    the new one into place; a kill between the two left the run's only checkpoint hidden from
+    --resume ("no finished checkpoint found there")."""
+    run = tmp_path / "run"
+    train(load_config(overrides=tiny_overrides + ["train.steps=0"]), run)
+    ckpts = run / "checkpoints"
+    (ckpts / "step_000000").rename(ckpts / ".old-step_000000-12345")  # killed there
+    train(load_config(overrides=tiny_overrides + ["train.steps=1"]), run, resume=True)
+    assert [r["step"] for r in read_metrics(run)] == [0, 1]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000000", "step_000001"]
+
+
 def test_run_dir_with_checkpoints_is_never_overwritten(tmp_path, tiny_overrides):
     cfg = load_config(overrides=tiny_overrides + ["train.steps=1"])
     train(cfg, tmp_path / "run")

@@ -311,18 +311,28 @@ def _prune(ckpts: Path, keep: Path, keep_last: int) -> None:
 
 def _clean_stale(ckpts: Path) -> None:
     """Remove leftovers of crashed saves; restore an `.old-*` dir whose re-save never landed."""
+    restore_moved_aside(ckpts.parent)
     for entry in ckpts.iterdir():
         if entry.is_file() and entry.name.startswith(f".{LATEST_FILE}.tmp-"):
             entry.unlink(missing_ok=True)  # a `latest` rewrite that never got renamed
             continue
-        if not entry.is_dir() or not entry.name.startswith(_HIDDEN_PREFIXES):
-            continue
-        if entry.name.startswith(".old-"):
+        if entry.is_dir() and entry.name.startswith(_HIDDEN_PREFIXES):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def restore_moved_aside(run_dir: str | os.PathLike) -> None:
+    """Rename back each finished checkpoint that a re-save of its step moved aside (`.old-*`)
+    and never replaced (a kill between `_publish`'s two renames): until then no resume sees
+    it (the run's only checkpoint: "no finished checkpoint"). A resume calls this under the
+    run's lock, before it looks for its checkpoint."""
+    ckpts = Path(run_dir) / CHECKPOINTS_DIR
+    if not ckpts.is_dir():
+        return
+    for entry in ckpts.iterdir():
+        if entry.is_dir() and entry.name.startswith(".old-"):
             original = ckpts / entry.name[len(".old-") :].rsplit("-", 1)[0]
             if not original.exists():
                 os.replace(entry, original)
-                continue
-        shutil.rmtree(entry, ignore_errors=True)
 
 
 def _write_text_atomic(path: Path, text: str) -> None:

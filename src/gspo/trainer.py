@@ -28,7 +28,8 @@ from gspo import metrics as M
 from gspo import precision
 from gspo.async_rollouts import SAMPLER, TRAINER, AsyncSampler, CoreShare
 from gspo.callbacks import Callbacks
-from gspo.checkpoint import load_checkpoint, read_reference, read_training_state, save_checkpoint
+from gspo.checkpoint import (load_checkpoint, read_reference, read_training_state,
+                              restore_moved_aside, save_checkpoint)
 from gspo.config import Config, save_config, to_dict
 from gspo.distributed import (Policy, broadcast_weights, checkpoint_state, init_distributed,
                                load_optimizer_state, wrap_policy)
@@ -84,7 +85,10 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, *, reward_fn=N
     name and a fingerprint of the rows, and a resume with others is refused; so is
     `gspo train --resume`, which has only the config).
     """
-    with exclusive(run_dir, enabled=int(os.environ.get("RANK", "0")) == 0), StopRequest() as stop:
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    with exclusive(run_dir, enabled=rank0), StopRequest() as stop:
+        if resume and rank0:  # before the ranks meet in build_run and look for the checkpoint
+            restore_moved_aside(run_dir)
         # ---- build the run: task, model, engine, optimiser; a resume's checkpoint restored
         run = build_run(cfg, Path(run_dir), resume, reward_fn=reward_fn, train_data=train_data,
                         eval_data=eval_data, callbacks=callbacks)
