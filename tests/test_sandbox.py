@@ -216,6 +216,11 @@ def test_extract_code_prefers_the_last_python_block():
     assert extract_code("") is None and extract_code(None) is None
 
 
+def test_extract_code_reads_a_block_with_windows_line_ends():
+    # the fence's '\r' was not taken as its line end: the whole text ran, a SyntaxError
+    assert extract_code("Here:\r\n```python\r\nprint(3)\r\n```\r\n") == "print(3)\r\n"
+
+
 def test_outputs_match_tokens_and_numbers():
     assert outputs_match("1 2\n3\n", "1 2 3")
     assert outputs_match("0.3333333\n", "0.33333333")

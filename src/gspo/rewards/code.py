@@ -35,7 +35,7 @@ from gspo.sandbox import Limits, RunResult, Sandbox
 log = logging.getLogger(__name__)
 
 MODES = ("all", "fraction")
-_FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
+_FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\r?\n(.*?)```", re.DOTALL)  # \r\n: CRLF text
 
 # Runs the solution's function with stdout captured, then prints the result as a last JSON line.
 CALL_HARNESS = '''\
