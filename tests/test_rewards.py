@@ -66,3 +66,34 @@ def test_the_code_reward_releases_its_pool_and_starts_a_new_one_when_called_agai
     assert not set(_sandbox_threads()) - before
     assert reward(program, tests=tests) == 1.0
     close_reward(reward)
+
+
+def test_correctness_only_drops_the_format_bonus_of_each_built_in_part():
+    from gspo.data import RewardSum, correctness_only
+    from gspo.rewards.code import CodeReward
+    from gspo.rewards.math import MathReward
+
+    def plain(completion, **_):
+        return 0.25
+
+    assert correctness_only(plain) is plain
+    no_bonus = MathReward()
+    assert correctness_only(no_bonus) is no_bonus
+    math = MathReward(format_weight=0.3)
+    held = correctness_only(math)
+    assert held is not math and held.format_weight == 0.0 and math.format_weight == 0.3
+    assert held.timeout == math.timeout and held.max_chars == math.max_chars
+    code = CodeReward(mode="fraction", format_weight=0.5)
+    held_code = correctness_only(code)
+    assert (held_code.mode, held_code.format_weight, held_code.sandbox) == ("fraction", 0.0,
+                                                                           code.sandbox)
+    total = RewardSum([math, plain], [1.0, 2.0], name="math+2*plain")
+    held_total = correctness_only(total)
+    assert held_total.parts[1] is plain and held_total.parts[0].format_weight == 0.0
+    assert held_total.weights == [1.0, 2.0] and held_total.__name__ == "math+2*plain"
+    assert held_total("\\boxed{7}", answer="6") == 0.5  # 0 + 2 * 0.25; the bonus was 0.3
+    assert abs(total("\\boxed{7}", answer="6") - 0.8) < 1e-12
+    untouched = RewardSum([no_bonus, plain])
+    assert correctness_only(untouched) is untouched
+    for r in (math, held, held_total, total):
+        r.close()

@@ -50,3 +50,29 @@ def test_a_sandbox_that_cannot_run_programs_stops_the_run_at_start(tmp_path, tin
                                           "/no/such/python3: .*set data.code_python"):
         train(cfg, tmp_path / "run")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # before any step or evaluation
+
+
+def test_held_out_accuracy_scores_correctness_without_the_format_bonus(tmp_path, tiny_overrides,
+                                                                        monkeypatch):
+    """data.format_weight is a training reward: a boxed wrong answer scores the bonus in
+    training and 0 in the held-out evaluation, as `gspo eval` scores it."""
+    from gspo import trainer
+
+    cfg = load_config(overrides=tiny_overrides + [
+        "data.task=math", f"data.path={DATA / 'math_mini.jsonl'}", "data.n_eval=4",
+        "data.format_weight=0.5", "warmup.steps=0", "train.eval_k=1"])
+    run = trainer.prepare(cfg, tmp_path / "run", resume=False)
+    try:
+        wrong, right = "so \\boxed{7}", "so \\boxed{6}"
+        assert run.reward_fn(wrong, answer="6") == 0.5 and run.reward_fn(right, answer="6") == 1.5
+        assert run.eval_reward_fn(wrong, answer="6") == 0.0
+        assert run.eval_reward_fn(right, answer="6") == 1.0
+        scored = []
+        real = trainer.evaluate
+        monkeypatch.setattr(trainer, "evaluate",
+                            lambda engine, tok, rows, reward_fn, *a, **kw:
+                            scored.append(reward_fn) or real(engine, tok, rows, reward_fn, *a, **kw))
+        trainer.run_eval(run)
+        assert scored == [run.eval_reward_fn]
+    finally:
+        trainer.close_run(run)

@@ -166,8 +166,9 @@ class DataConfig:
                            choices=("auto", "float32", "bfloat16", "float16"))
     reward_mode: str = _f("all", "code: 'all' (1 when every test passes) or 'fraction' (the "
                           "fraction of tests passing)", choices=("all", "fraction"))
-    format_weight: float = _f(0.0, "math/code: bonus for a well-formed answer (a \\boxed{} "
-                              "answer / a fenced code block)", ge=0, lt=1,
+    format_weight: float = _f(0.0, "math/code: training bonus for a well-formed answer (a "
+                              "\\boxed{} answer / a fenced code block); held-out accuracy "
+                              "scores correctness only", ge=0, lt=1,
                               why="so that a well-formed wrong answer never counts as solved")
     reward_timeout: float = _f(5.0, "math: seconds math-verify may spend on one completion "
                                "before it scores 0 (a failed call, counted in reward/failures)",

@@ -101,6 +101,21 @@ class RewardSum:
         close_reward(self.parts)
 
 
+def correctness_only(reward_fn: RewardFn) -> RewardFn:
+    """`reward_fn` without its format bonus (data.format_weight), which held-out accuracy must
+    not count: a boxed wrong answer would raise avg@k, and in code's 'fraction' mode half the
+    tests plus a 0.5 bonus would be a pass. The same object where there is no bonus; a sum's
+    other parts are shared."""
+    if isinstance(reward_fn, RewardSum):
+        parts = [correctness_only(f) for f in reward_fn.parts]
+        if all(a is b for a, b in zip(parts, reward_fn.parts, strict=True)):
+            return reward_fn
+        return RewardSum(parts, reward_fn.weights, name=reward_fn.__name__)
+    if getattr(reward_fn, "format_weight", 0) and hasattr(reward_fn, "with_format_weight"):
+        return reward_fn.with_format_weight(0.0)
+    return reward_fn
+
+
 def _prepare(reward_fn) -> None:
     prepare = getattr(reward_fn, "prepare", None)
     if callable(prepare):

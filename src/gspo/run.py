@@ -46,6 +46,8 @@ class Run:
     train_rows: list[dict]
     eval_rows: list[dict]
     reward_fn: RewardFn
+    eval_reward_fn: RewardFn                 # held-out evaluation's: reward_fn without its format
+                                             # bonus (gspo.data.correctness_only)
     solution: Callable[[dict], str]          # a row's worked answer, for the warm-up
     ref_policy: Policy | None                # pi_ref, unsharded, when algorithm.beta > 0
     routing: MoeRouting | NoRouting          # record / replay / measure MoE routing

@@ -31,6 +31,7 @@ from gspo.callbacks import Callbacks
 from gspo.checkpoint import (load_checkpoint, read_reference, read_training_state,
                               restore_moved_aside, save_checkpoint)
 from gspo.config import Config, save_config, to_dict
+from gspo.data import correctness_only
 from gspo.distributed import (Policy, broadcast_weights, checkpoint_state, init_distributed,
                                load_optimizer_state, wrap_policy)
 from gspo.engines import RolloutEngine, SamplingParams, engine_settings, make_engine
@@ -180,7 +181,8 @@ def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train
         return Run(cfg=cfg, run_dir=run_dir, dist=d, model=model, policy=policy,
                    tokenizer=p.tokenizer, engine=engine, optimizer=optimizer,
                    scheduler=scheduler, train_rows=p.train_rows, eval_rows=p.eval_rows,
-                   reward_fn=p.reward, solution=p.solution, ref_policy=ref_policy,
+                   reward_fn=p.reward, eval_reward_fn=correctness_only(p.reward),
+                   solution=p.solution, ref_policy=ref_policy,
                    routing=routing, gen=gen, scaler=scaler,
                    micro=a.micro_batch_size or rows // a.minibatches, checkpoint=ckpt,
                    state=state, record=p.what_it_is, callbacks=Callbacks(callbacks))
@@ -383,7 +385,7 @@ def run_eval(run: Run, stop: StopRequest | None = None) -> dict[str, float] | No
 
 def _evaluate(run: Run, engine: RolloutEngine, rows: list[dict], stop: StopRequest | None):
     t, r, d = run.cfg.train, run.cfg.rollout, run.dist
-    return evaluate(engine, run.tokenizer, rows, run.reward_fn, t.eval_k,
+    return evaluate(engine, run.tokenizer, rows, run.eval_reward_fn, t.eval_k,
                     SamplingParams(t.eval_temperature, r.top_p, r.max_new_tokens),
                     seed=t.seed + 999_983 + d.rank,
                     system_prompt=run.cfg.data.system_prompt or None,
@@ -480,6 +482,8 @@ def close_run(run: Run) -> None:
     run.engine.close()
     run.routing.close()
     close_reward(run.reward_fn)
+    if run.eval_reward_fn is not run.reward_fn:
+        close_reward(run.eval_reward_fn)
     # a callback that kept `run` closes a cycle (run -> callbacks -> it -> run) that reference
     # counting cannot free: left to a later collection (at interpreter exit, under torchrun,
     # gloo's teardown can then abort the rank: gspo.distributed.shutdown)

@@ -168,6 +168,11 @@ class CodeReward:
         self._checked = False
         self.__name__ = "code_reward"
 
+    def with_format_weight(self, format_weight: float) -> "CodeReward":
+        """The same reward (its sandbox shared) with another format bonus (0: correctness only,
+        as held-out evaluation scores)."""
+        return CodeReward(self.mode, format_weight, workers=self.workers, sandbox=self.sandbox)
+
     def check(self) -> None:
         """Raise ConfigError when this machine's sandbox cannot run a trivial program (a
         missing interpreter, no permission to start one): every reward would be 0 otherwise."""

@@ -140,6 +140,11 @@ class MathReward:
     def is_correct(self, completion: str, answer) -> bool:
         return bool(self._verdict(completion, answer))
 
+    def with_format_weight(self, format_weight: float) -> "MathReward":
+        """The same reward with another format bonus (0: correctness only, as held-out
+        evaluation scores)."""
+        return MathReward(self.timeout, format_weight, self.max_chars)
+
     def _verdict(self, completion: str, answer) -> bool | None:
         """True / False, or None when math-verify ran out of time (counted in `timeouts`)."""
         if not isinstance(completion, str) or not completion.strip():
