@@ -38,7 +38,9 @@ class RecordingSandbox(Sandbox):
 
 @pytest.fixture(scope="module")
 def sandbox():
-    return RecordingSandbox(LIMITS)
+    box = RecordingSandbox(LIMITS)
+    box.containment()  # its probe run now, not inside the first test's (run_hostile counts runs)
+    return box
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +148,22 @@ def test_a_right_program_with_an_output_longer_than_the_stdout_cap_passes():
     try:
         assert reward(program, tests=[{"input": "1000\n", "output": expected}]) == 1.0
         assert reward(program, tests=[{"input": "1000\n", "output": "0"}]) == 0.0
+    finally:
+        reward.close()
+
+
+def test_debug_output_on_stderr_past_its_cap_is_dropped_not_a_failure():
+    # judges ignore stderr: a right answer after 250 KB of debug lines passes, and the result
+    # keeps stderr's last bytes (where a traceback ends)
+    sandbox = Sandbox(Limits(wall_s=10, cpu_s=10, stderr_bytes=4096))
+    reward = CodeReward(sandbox=sandbox, workers=1)
+    program = ("import sys\nfor i in range(25000):\n    print('debug', i, file=sys.stderr)\n"
+               "print(int(input()) * 2)\nprint('last words', file=sys.stderr)")
+    try:
+        assert reward(f"```python\n{program}\n```", tests=[{"input": "21\n", "output": "42"}]) == 1.0
+        r = sandbox.run({"main.py": program}, [sandbox.python, "main.py"], b"21\n")
+        assert r.status == "ok" and r.stdout == b"42\n"
+        assert len(r.stderr) == 4096 and r.stderr.endswith(b"debug 24999\nlast words\n")
     finally:
         reward.close()
 

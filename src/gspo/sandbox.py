@@ -27,8 +27,9 @@ as a separate session so the whole process group can be killed):
                  the run past it (a program can overshoot for up to that interval).
     limits       RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_NPROC (processes and threads),
                  RLIMIT_FSIZE, RLIMIT_NOFILE, no core dumps; the parent enforces the wall-clock
-                 limit and caps what it reads of stdout / stderr (the program is killed when it
-                 prints more), then kills the process group and any process left with the uid.
+                 limit and caps what it reads of stdout (the program is killed when it prints
+                 more) and keeps the last `stderr_bytes` of stderr (as judges, which ignore a
+                 program's stderr: debug output never fails a right answer), then kills the process group and any process left with the uid.
     environment  scrubbed: PATH, LANG, HOME = TMPDIR = the working directory, and one-thread
                  settings for BLAS libraries; nothing of the parent's environment.
 
@@ -335,7 +336,7 @@ class Limits:
     stdout_bytes: int = 1 << 20
     """Most bytes of stdout kept; printing more kills the run ('output_limit')."""
     stderr_bytes: int = 64 << 10
-    """Most bytes of stderr kept; printing more kills the run ('output_limit')."""
+    """Most bytes of stderr kept: its last ones (a traceback's end); more is read and dropped."""
 
 
 @dataclass
@@ -651,11 +652,11 @@ class Sandbox:
         containment = {k: setup.get(k) for k in ("netns", "mountns", "pidns", "userns",
                                                  "uid", "readonly_failures", "memory_cgroup")}
         return RunResult(status, code, bytes(bufs["out"][:lim.stdout_bytes]),
-                         bytes(bufs["err"][:lim.stderr_bytes]), wall, cpu, containment)
+                         bytes(bufs["err"]), wall, cpu, containment)
 
 
 class _RunPipes:
-    """The parent's end of one run: stdin fed, stdout / stderr read up to their caps, the
+    """The parent's end of one run: stdin fed, stdout read up to its cap and stderr's end kept, the
     launcher's reports collected, the wall clock enforced (from the set-up report on)."""
 
     SETUP_S = 30.0  # the launcher's own set-up, before the program's clock starts
@@ -729,8 +730,11 @@ class _RunPipes:
         if not chunk:
             self.sel.unregister(fd)
             return False
-        self.bufs[name] += chunk
-        return len(self.bufs[name]) > self.caps[name]
+        buf = self.bufs[name]
+        buf += chunk
+        if name == "err" and len(buf) > self.caps[name]:  # its end is kept, the rest dropped
+            del buf[:len(buf) - self.caps[name]]
+        return len(buf) > self.caps[name]
 
     def wall_s(self) -> float:
         return time.monotonic() - (self.started or self.t0)
