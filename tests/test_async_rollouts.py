@@ -89,6 +89,53 @@ def test_a_failure_in_the_sampler_reaches_the_trainer():
         sampler.close()
 
 
+def test_close_abandons_the_batch_in_flight_at_its_next_decode_step():
+    """A SIGTERM's exit need not wait for a whole sampling: an engine with on_step (the hf
+    engine) is interrupted there once the sampler closes; the trainer's own decodes are not."""
+    class SlowEngine(VersionEngine):
+        on_step = None
+        steps = 0
+
+        def generate(self, n=200):  # 200 decode steps of 50 ms: 10 s
+            for _ in range(n):
+                if self.on_step is not None:
+                    self.on_step()
+                self.steps += 1
+                time.sleep(0.05)
+
+    engine, started = SlowEngine(0), threading.Event()
+
+    def produce(step, hold):
+        with hold():
+            started.set()
+            engine.generate()
+        return Batch([], None, [], [], 0, None, version=-1, rollout_s=0.0, reward_s=0.0)
+
+    sampler = AsyncSampler(engine, 1, 0, [("w", torch.tensor(0.0))], produce)
+    assert engine.on_step is not None
+    errors = []
+
+    def take():  # the trainer, waiting for the batch the close abandons
+        try:
+            sampler.take(0)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    taker = threading.Thread(target=take, daemon=True)
+    taker.start()
+    assert started.wait(10)
+    t0 = time.monotonic()
+    sampler.close()
+    assert time.monotonic() - t0 < 2 and not sampler._thread.is_alive()
+    assert engine.steps < 100 and sampler._error is None and engine.on_step is None
+    taker.join(10)
+    assert errors == ["the rollout sampler thread ended without a batch"]
+    engine.on_step = sampler._on_decode_step  # a closed sampler stops only its own thread
+    before = engine.steps
+    engine.generate(5)
+    assert engine.steps == before + 5
+
+
 def test_evaluation_borrows_the_engine_with_the_current_weights():
     engine, published = VersionEngine(0), [0]
     sampler = make_sampler(engine, 1, 0, published, random.Random(0))

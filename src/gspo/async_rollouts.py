@@ -160,8 +160,8 @@ class AsyncSampler:
             raise ValueError(f"max_staleness={staleness}: the sampler runs ahead by 1 or more")
         self.engine, self.k, self.start, self.end = engine, staleness, start, end
         self._make, self._threads, self.cores = produce, threads, cores
-        if cores is not None and cores.lend and hasattr(engine, "on_step"):
-            engine.on_step = cores.adjust  # in whichever thread decodes (evaluation: the trainer's)
+        if hasattr(engine, "on_step"):  # called in whichever thread decodes (evaluation's too)
+            engine.on_step = self._on_decode_step
         self._cond = threading.Condition()
         self._engine_lock = threading.Lock()  # the engine is the sampler's, or evaluation's
         # version -> its weights: `start`'s (the engine holds them too, until an evaluation
@@ -215,8 +215,9 @@ class AsyncSampler:
             yield self.engine
 
     def close(self, timeout: float = 600.0) -> None:
-        """Stop after the current batch (waited for up to `timeout` s: the engine is closed
-        next, and must not be sampling), then drop what refers back to the run (a thread still
+        """Stop after the current batch, or at its next decode step where the engine has
+        `on_step` (waited for up to `timeout` s: the engine is closed next, and must not be
+        sampling), then drop what refers back to the run (a thread still
         running past the timeout keeps it)."""
         with self._cond:
             self._closing = True
@@ -231,13 +232,22 @@ class AsyncSampler:
             # (a failure's traceback too: its frames hold this sampler and the run)
             self._make, self._error = None, None
             self._snapshots.clear()
+            if getattr(self.engine, "on_step", None) == self._on_decode_step:
+                self.engine.on_step = None
             if self.cores is not None:
                 self.cores.close()
-                if getattr(self.engine, "on_step", None) == self.cores.adjust:
-                    self.engine.on_step = None
             self._batches.clear()
 
     # ---- the sampler's side
+
+    def _on_decode_step(self) -> None:
+        """Before each forward of a decode: the batch in flight is abandoned once the run
+        closes (a SIGTERM's exit waits for no more than a decode step of it), and the thread
+        takes the threads its role has now."""
+        if self._closing and threading.current_thread() is self._thread:
+            raise _Abandoned
+        if self.cores is not None and self.cores.lend:
+            self.cores.adjust()
 
     def _produce(self) -> None:
         # OpenMP's thread count is per thread: a new one starts at the machine's default,
@@ -265,6 +275,8 @@ class AsyncSampler:
                         del self._snapshots[v]
                     self._cond.notify_all()
                 step += 1
+        except _Abandoned:
+            return
         except BaseException as e:  # handed to the trainer's next take
             with self._cond:
                 self._error = e
@@ -290,6 +302,10 @@ class AsyncSampler:
             yield self.engine
         finally:
             self._engine_lock.release()
+
+
+class _Abandoned(Exception):
+    """The sampler's batch in flight, abandoned because the sampler closes."""
 
 
 def _snapshot(weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
