@@ -103,6 +103,15 @@ def test_load_model_names_missing_path_and_fix(tmp_path):
     assert issubclass(ModelLoadError, ValueError)
 
 
+def test_a_weights_file_cut_short_is_a_model_load_error(tok, model, tmp_path):
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a killed copy
+    with pytest.raises(ModelLoadError, match="could not load model .*incomplete metadata"):
+        load_model(str(tmp_path))
+
+
 def test_auto_model_reloads_the_saved_config_type(model, tmp_path):
     model.save_pretrained(tmp_path)
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path)).__name__ == "Qwen3ForCausalLM"

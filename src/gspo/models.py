@@ -20,6 +20,7 @@ import string
 
 import torch
 import transformers
+from safetensors import SafetensorError
 from tokenizers import Regex, Tokenizer, decoders, models as tok_models, pre_tokenizers
 from transformers import (
     AutoConfig,
@@ -289,7 +290,8 @@ def load_model(
                 model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
             model, device = model.to(config.dtype if dtype == "auto" else torch_dtype), "meta"
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, RuntimeError, ImportError) as err:
+    # SafetensorError: a weights file cut short (a copy or download killed part-way)
+    except (OSError, ValueError, KeyError, RuntimeError, ImportError, SafetensorError) as err:
         raise ModelLoadError(f"could not load model {name_or_path!r} ({err}): {hint}") from err
     if not tokenizer("What is 2 + 3?", add_special_tokens=False)["input_ids"]:
         raise ModelLoadError(f"the tokenizer of {name_or_path!r} turns text into no tokens: "
