@@ -15,6 +15,7 @@ from gspo import metrics as M  # noqa: E402
 from gspo.config import ConfigError, load_config  # noqa: E402
 from gspo.logger import read_metrics  # noqa: E402
 from gspo.logprobs import token_logprobs  # noqa: E402
+from gspo.models import build_tiny_qwen3  # noqa: E402
 from gspo.lora import add_lora, load_adapter, merged_weights  # noqa: E402
 from gspo.errors import TrainingError  # noqa: E402
 from gspo.preflight import build_model  # noqa: E402
@@ -66,6 +67,16 @@ def test_merged_weights_are_w_plus_scaled_ba_and_give_the_adapted_model(model, t
 def test_a_target_the_model_lacks_is_a_clear_error(model):
     with pytest.raises(ValueError, match=r"names \['wq'\].*it has \[.*'q_proj'"):
         add_lora(copy.deepcopy(model), rank=2, alpha=4.0, dropout=0.0, target_modules=["wq"])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_an_adapter_on_the_output_embedding_is_a_clear_error(tok, tied):
+    # token_logprobs applies lm_head by its weight: an adapter there gets no gradient (and,
+    # tied to embed_tokens as in SmolLM2, its merged delta would land in the embedding too)
+    model = build_tiny_qwen3(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                             intermediate_size=64, tie_word_embeddings=tied)
+    with pytest.raises(ValueError, match=r"names the output embedding 'lm_head'.*never train"):
+        add_lora(model, rank=2, alpha=4.0, dropout=0.0, target_modules=["q_proj", "lm_head"])
 
 
 WORKER = Path(__file__).with_name("dist_update_worker.py")

@@ -57,6 +57,16 @@ def add_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float,
     if missing:
         raise ValueError(f"model.lora_target_modules names {missing}, which this model has no "
                          f"linear layer called; it has {sorted(present)}")
+    head = model.get_output_embeddings()
+    head_name = next((name for name, m in model.named_modules() if m is head), None)
+    if head_name is not None and head_name.rsplit(".", 1)[-1] in target_modules:
+        # token_logprobs applies the output embedding's weight itself (chunked, gspo.logprobs),
+        # so an adapter there would get no gradient, and with tied embeddings the merged model
+        # would carry its delta into the input embedding too
+        raise ValueError(f"model.lora_target_modules names the output embedding "
+                         f"{head_name!r}, which gspo's log-prob kernel applies by its weight "
+                         f"alone: an adapter there would never train; leave it out of the "
+                         f"targets (or train every weight, model.lora_rank=0)")
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
                              target_modules=list(target_modules), task_type="CAUSAL_LM")
     model = peft.inject_adapter_in_model(config, model)
