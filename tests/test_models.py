@@ -320,6 +320,24 @@ def test_chunked_logprob_backward_equals_dense_autograd(with_entropy, entropy_we
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_a_sliding_window_model_without_layer_types_scores_through_one_plain_forward():
+    # Mistral-7B-v0.1 sets sliding_window and no layer_types: transformers' cache for it keeps
+    # only the window, so a group sharing its prompt must not run on that cache
+    from transformers import MistralConfig, MistralForCausalLM
+    config = MistralConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           sliding_window=4, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]] * 2)  # (B, L): one prompt, G = 2
+    ids[1, 6:] = torch.tensor([20, 21, 22, 23])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        logp = token_logprobs(model, ids, mask, 6)  # (B, 6)
+        want = model(ids).logits.log_softmax(-1)[:, 3:-1].gather(-1, ids[:, 4:, None])[..., 0]
+    torch.testing.assert_close(logp, want, rtol=0, atol=1e-5)
+
+
 def test_a_model_dir_without_tokenizer_files_is_a_clear_error(tmp_path, tok):
     from gspo.models import ModelLoadError, load_model
     build_tiny_qwen3(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,

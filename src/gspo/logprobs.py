@@ -315,8 +315,9 @@ def cache_kwarg(module) -> str:
 
 def _can_share_prompts(model, prompt_mask: torch.Tensor) -> bool:
     """Prompt sharing needs full attention in every layer and at least one real prompt token per row."""
-    layer_types = getattr(model.config, "layer_types", None)
-    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+    # the cache transformers builds for this config: a sliding window (Mistral-7B-v0.1's
+    # sliding_window with no layer_types) makes sliding layers, which keep only the window
+    if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
         return False
     return prompt_mask.shape[1] > 0 and bool((prompt_mask[:, -1] > 0).all())
 
