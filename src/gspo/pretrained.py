@@ -100,10 +100,11 @@ def fetch_model(name: str, output: str | os.PathLike | None = None, force: bool 
         raise ModelLoadError(f"{out} exists and is not a model gspo fetch-model wrote, so it is "
                              f"left as it is (--force replaces only those); choose another "
                              f"--output, or remove it yourself")
+    _remove_leftovers(out)
     gguf_file = _locate(spec)
     log.info(f"converting {gguf_file} into {out} (once; ~30 s on 2 CPU cores)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp's 0700 would stay on the renamed directory
     try:
         _convert(gguf_file, spec, tmp)
@@ -180,6 +181,30 @@ def _convert(gguf_file: Path, spec: GGUFWheel, out: Path) -> None:
     model.generation_config.eos_token_id = model.generation_config.pad_token_id = eos
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Remove what conversions into `out` killed part-way (SIGKILL: no `finally`) left beside
+    it, ~540 MB each for SmolLM2: their `.tmp-PID-*` and `.old-PID` directories, where process
+    PID is gone (a live one, another rank converting now, keeps its own)."""
+    if not out.parent.is_dir():
+        return
+    for entry in out.parent.glob(f".{out.name}.*-*"):
+        kind, _, rest = entry.name[len(out.name) + 2:].partition("-")
+        pid = rest.split("-", 1)[0]
+        if kind not in ("tmp", "old") or not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _replace(tmp: Path, out: Path) -> None:
