@@ -2,13 +2,15 @@
 side by side in one process.
 
     .venv/bin/python benchmarks/async_rollouts.py [--steps 6] [--repeats 1] [--staleness 1]
-        [--config FILE] [key.sub=value ...]
+        [--config FILE] [key.sub=value ...] [--modes sync shared trainer-recomputes fixed]
 
-Three modes run the same config (same model, prompts, seeds), in turn, so all see the same
+The modes run the same config (same model, prompts, seeds), in turn, so all see the same
 machine load; the first step of each is a warm-up and is not timed. The synchronous step
 computes with all of torch's threads; the asynchronous ones give half to the sampler's thread
 and half to the trainer's, either lending a waiting thread's half to the other
-(rollout.share_cores=true, the default) or not (false: fixed shares). Prints seconds per step,
+(rollout.share_cores=true, the default: 'shared', and 'trainer-recomputes' with
+rollout.sampler_recomputes=false, pi_old's forward in the trainer's thread) or not
+('fixed': fixed shares). The overrides go before --modes. Prints seconds per step,
 steps per hour, the ratios, and each asynchronous mode's bound: max(sampling, the trainer's
 own work) per step, from its rows (time/sample_s; the step's time less its wait for the batch).
 """
@@ -52,23 +54,29 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--staleness", type=int, default=1)
     p.add_argument("--config")
+    p.add_argument("--modes", nargs="+", choices=("sync", "shared", "trainer-recomputes",
+                                                  "fixed"),
+                   default=["sync", "shared", "trainer-recomputes", "fixed"])
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     k = args.staleness
     modes = {"sync": (0, []), f"async k={k}": (k, []),
+             f"async k={k} trainer pi_old": (k, ["rollout.sampler_recomputes=false"]),
              f"async k={k} fixed": (k, ["rollout.share_cores=false"])}
+    modes = {name: mode for (name, mode), key in zip(modes.items(), (
+        "sync", "shared", "trainer-recomputes", "fixed")) if key in args.modes or key == "sync"}
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for _ in range(args.repeats):
         for name, (staleness, extra) in modes.items():
             runs[name].append(time_mode(staleness, args.steps, args.config,
                                         args.overrides + extra))
-    print(f"{'mode':<18} {'s/step':>8} {'steps/h':>8} {'sample s':>9} {'trainer s':>10} "
+    print(f"{'mode':<28} {'s/step':>8} {'steps/h':>8} {'sample s':>9} {'trainer s':>10} "
           f"{'wait s':>7}")
     mean = {}
     for name, rs in runs.items():
         m = {key: statistics.fmean(r[key] for r in rs) for key in rs[0]}
         mean[name] = m
-        print(f"{name:<18} {m['s_per_step']:8.2f} {3600 / m['s_per_step']:8.0f} "
+        print(f"{name:<28} {m['s_per_step']:8.2f} {3600 / m['s_per_step']:8.0f} "
               f"{m['sample_s']:9.2f} {m['trainer_s']:10.2f} {m['wait_s']:7.2f}")
     sync = mean["sync"]
     for name in list(modes)[1:]:

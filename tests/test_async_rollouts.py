@@ -17,7 +17,7 @@ import gspo.preflight as preflight
 import gspo.step as step_mod
 import gspo.trainer as trainer
 from gspo import metrics as M
-from gspo.async_rollouts import SAMPLER, TRAINER, AsyncSampler, Batch, CoreShare
+from gspo.async_rollouts import SAMPLER, TRAINER, AsyncSampler, Batch, CoreShare, Rows
 from gspo.engines.hf import HFEngine, has_hooks
 from gspo.engines import SamplingParams
 from gspo.config import load_config
@@ -87,6 +87,47 @@ def test_a_failure_in_the_sampler_reaches_the_trainer():
             sampler.take(1)
     finally:
         sampler.close()
+
+
+def test_a_job_runs_on_its_versions_weights_before_the_batch_sampled_from_them():
+    """rollout.sampler_recomputes: step m's job (pi_old under the trainer's weights, version
+    m) runs in the sampler's thread with the engine holding version m, between two batches;
+    with one job each step, the batch sampled from version m waits for it; its rows reach
+    the trainer as they are filled, and a job's failure is raised where the trainer waits."""
+    engine, published, order = VersionEngine(0), [0], []
+
+    def produce(step, hold):
+        with hold():
+            order.append(("batch", step, float(engine.w)))
+        return Batch([], None, [], [], 0, None, version=-1, rollout_s=0.0, reward_s=0.0)
+
+    def work(engine, rows, checkpoint):
+        for i in range(2):
+            checkpoint()
+            order.append(("job", float(engine.w)))
+            rows.put(torch.tensor([i]), torch.full((1, 3), float(engine.w)), torch.zeros(1, 3))
+
+    sampler = AsyncSampler(engine, 1, 0, [("w", torch.tensor(0.0))], produce, end=3)
+    sampler.jobs_each_step = True
+    try:
+        for step in range(3):
+            sampler.take(step)
+            rows = sampler.recompute(step, work, 2, 3)
+            assert torch.equal(rows.get(torch.tensor([1]))[0], torch.full((1, 3), float(step)))
+            sampler.publish(step + 1, [("w", torch.tensor(step + 1.0))])
+        assert torch.equal(rows.get()[0], torch.full((2, 3), 2.0))
+        assert order == [("batch", 0, 0.0), ("job", 0.0), ("job", 0.0), ("batch", 1, 0.0),
+                         ("job", 1.0), ("job", 1.0), ("batch", 2, 1.0), ("job", 2.0),
+                         ("job", 2.0)]
+
+        def broken(engine, rows, checkpoint):
+            raise KeyError("no such row")
+        with pytest.raises(KeyError, match="no such row"):
+            sampler.recompute(3, broken, 1, 1).get()
+    finally:
+        sampler.close()
+    with pytest.raises(RuntimeError, match="ended before pi_old"):
+        Rows(sampler, 1, 1).get()  # a closed sampler's thread computes nothing more
 
 
 def test_close_abandons_the_batch_in_flight_at_its_next_decode_step():
@@ -334,6 +375,43 @@ def test_an_async_run_equals_its_sequential_reenactment(tmp_path, tiny_overrides
     assert not torch.equal(weights[0][0][1], weights[1][0][1])  # the updates moved weights
     if "rollout.filter_groups=true" in extra:
         assert sum(r[M.EXTRA_PROMPTS] for r in rows[1:]) > 0  # it sampled extra rounds
+
+
+def test_pi_old_recomputed_in_the_sampler_thread_is_the_trainers_own(tmp_path, tiny_overrides,
+                                                                     monkeypatch):
+    """rollout.sampler_recomputes (the default): the trainer makes no pi_old forward of its
+    own, and the run's rows equal those of the trainer's recompute (fixed shares: the same
+    thread counts) to float32's last bits."""
+    calls = []
+    real = step_mod.policy_logprobs
+    monkeypatch.setattr(step_mod, "policy_logprobs",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    rows = run_async(tmp_path / "a", tiny_overrides, FIXED)
+    assert calls == []
+    ref = run_async(tmp_path / "b", tiny_overrides, FIXED, "rollout.sampler_recomputes=false")
+    assert len(calls) == 4  # one recompute a step
+    assert [sorted(r) for r in same(rows)] == [sorted(r) for r in same(ref)]
+    for got, want in zip(same(rows), same(ref)):
+        assert got == {k: pytest.approx(v, rel=1e-5, abs=1e-6) for k, v in want.items()}
+
+
+def test_the_sampler_recomputes_only_where_its_copy_computes_what_the_trainer_would(
+        tmp_path, tiny_overrides):
+    def split(*extra):
+        run = trainer.prepare(load_config(overrides=tiny_overrides + [
+            "warmup.steps=0", "rollout.max_staleness=1", *extra]),
+            tmp_path / str(len(list(tmp_path.iterdir()))), resume=False)
+        try:
+            return step_mod.sampler_recomputes(run)
+        finally:
+            trainer.close_run(run)
+
+    assert split()
+    assert not split("rollout.sampler_recomputes=false")
+    assert not split("algorithm.old_logprobs=rollout")
+    assert not split("rollout.dtype=bfloat16")  # the copy computes in another dtype
+    assert not split("model.lora_rank=4")  # the copy holds the merged weights
+    assert not split("model.name_or_path=tiny-qwen3-moe")  # pi_old's routing is recorded
 
 
 def test_a_resumed_async_run_loses_no_update(tmp_path, tiny_overrides):

@@ -11,9 +11,11 @@ thread, where a sharded model's gather is a collective of all ranks); the sample
 snapshot into the engine's own copy of the weights before the batch that needs it, and drops
 the snapshots no batch will need.
 
-What the sampler thread does: the rollout and the rewards (the producer); what stays in the
-trainer's thread: every collective, pi_old, the updates, evaluation (`borrow` pauses the sampler
-and gives the engine the current weights), checkpoints. In-flight rollouts are not saved: a
+What the sampler thread does: the rollout and the rewards (the producer), and the jobs the
+trainer hands it (`recompute`: pi_old's forward on the engine's copy loaded with the trainer's
+current weights, rollout.sampler_recomputes; one each step, before the batch sampled from the
+same weights); what stays in the trainer's thread: every collective, the updates, evaluation
+(`borrow` pauses the sampler and gives the engine the current weights), checkpoints. In-flight rollouts are not saved: a
 resumed run samples its first step from the weights it resumed with (staleness 0), so a resume
 loses no update but is not bit-identical to an uninterrupted asynchronous run.
 
@@ -140,6 +142,38 @@ class Batch:
     filter: FilterStats | None = None  # rollout.filter_groups: what it dropped and sampled
 
 
+class Rows:
+    """Per-row results the sampler's thread fills in while the trainer reads them (pi_old's
+    log-probs and entropies, rollout.sampler_recomputes): `get` waits for the rows it asks
+    for, and raises the sampler's failure, or its end, instead of waiting for ever."""
+
+    def __init__(self, sampler: "AsyncSampler", B: int, T: int):
+        self.sampler = sampler
+        self.logp, self.entropy = torch.zeros(B, T), torch.zeros(B, T)
+        self.ready = torch.zeros(B, dtype=torch.bool)
+        self.error: BaseException | None = None
+
+    def put(self, rows: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor) -> None:
+        with self.sampler._cond:
+            self.logp[rows], self.entropy[rows] = logp, entropy
+            self.ready[rows] = True
+            self.sampler._cond.notify_all()
+
+    def get(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, entropies) of `rows` (default all), once the sampler has them."""
+        rows = torch.arange(len(self.ready)) if rows is None else rows
+        s = self.sampler
+        with s._cond, s._waiting(not bool(self.ready[rows].all())):
+            while not bool(self.ready[rows].all()):
+                if self.error is not None:
+                    raise self.error
+                if s._error is not None or not s._thread.is_alive():
+                    raise RuntimeError("the rollout sampler thread ended before pi_old's "
+                                       "recompute") from s._error
+                s._cond.wait(WAIT_POLL_S)
+            return self.logp[rows], self.entropy[rows]
+
+
 class AsyncSampler:
     """Samples step m's batch from weight version max(start, m - k) in a background thread,
     for the steps before `end` (the run's last step: none past it, whose sampling and scoring
@@ -148,7 +182,7 @@ class AsyncSampler:
     produce(step, hold) -> Batch: runs in the sampler's thread (no collectives) and uses the
     engine only inside `with hold():`, which holds it with the step's weights loaded (an
     evaluation borrows it between two such blocks; the next reloads them). The sampler sets
-    the batch's version.
+    the batch's version. Between two batches it runs the trainer's jobs (`recompute`).
     """
 
     def __init__(self, engine, staleness: int, start: int,
@@ -173,6 +207,12 @@ class AsyncSampler:
         self._error: BaseException | None = None
         self._closing = False
         self._thread: threading.Thread | None = None
+        # rollout.sampler_recomputes: the trainer's jobs, (version, work, rows), run between
+        # two batches; with `jobs_each_step`, one a step, which the batch sampled from the
+        # same version waits for (the trainer needs it first)
+        self.jobs_each_step = False
+        self._jobs: list[tuple[int, Callable, Rows]] = []
+        self._last_job = start - 1
 
     def version_for(self, step: int) -> int:
         return max(self.start, step - self.k)
@@ -204,6 +244,17 @@ class AsyncSampler:
             self._snapshots[version] = snapshot
             self._published = version
             self._cond.notify_all()
+
+    def recompute(self, version: int, work: Callable, B: int, T: int) -> Rows:
+        """Step `version`'s job for the sampler's thread: work(engine, rows, checkpoint) with
+        the engine holding weight version `version` (the trainer's current ones), filling
+        `rows` (B rows of T tokens) as it goes and calling checkpoint() between its parts."""
+        rows = Rows(self, B, T)
+        with self._cond:
+            self._jobs.append((version, work, rows))
+            self._last_job = version
+            self._cond.notify_all()
+        return rows
 
     @contextlib.contextmanager
     def borrow(self, weights: Iterable[tuple[str, torch.Tensor]]):
@@ -258,14 +309,20 @@ class AsyncSampler:
             torch.set_num_threads(self._threads or torch.get_num_threads())
         step = self.start
         try:
-            while self.end is None or step < self.end:
+            while True:
                 version = self.version_for(step)
-                with self._cond, self._waiting(self._published < version):
-                    while self._published < version and not self._closing:
+                with self._cond, self._waiting(not self._may_sample(step)):
+                    while not (self._jobs or self._may_sample(step) or self._closing):
                         self._cond.wait(WAIT_POLL_S)
                     if self._closing:
                         return
-                    snapshot = self._snapshots[version]
+                    if self._jobs:
+                        job = self._jobs.pop(0)
+                    else:
+                        job, snapshot = None, self._snapshots[version]
+                if job is not None:
+                    self._run_job(*job)
+                    continue
                 batch = self._make(step, lambda: self._engine_at(version, snapshot))
                 batch.version = version
                 with self._cond:
@@ -284,6 +341,24 @@ class AsyncSampler:
         finally:
             if self.cores is not None:  # the trainer has the cores to itself from now on
                 self.cores.leave()
+
+    def _may_sample(self, step: int) -> bool:
+        """Step `step`'s batch may be sampled now: a step of the run, its weights published,
+        and (one job each step) the job of the step that needs the same weights arrived."""
+        version = self.version_for(step)
+        return ((self.end is None or step < self.end) and self._published >= version
+                and not (self.jobs_each_step and step > version > self._last_job))
+
+    def _run_job(self, version: int, work: Callable, rows: Rows) -> None:
+        try:
+            with self._engine_at(version, self._snapshots[version]) as engine:
+                work(engine, rows, self._on_decode_step)  # its checkpoint, as a decode step's
+        except _Abandoned:
+            raise
+        except BaseException as e:  # the trainer's, raised where it waits for the rows
+            with self._cond:
+                rows.error = e
+                self._cond.notify_all()
 
     def _waiting(self, waits: bool) -> contextlib.AbstractContextManager:
         """The calling thread waits, when `waits`, for the duration (its cores go to the

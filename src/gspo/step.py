@@ -7,7 +7,8 @@
                runs in the sampler's thread (sample_batch), so it holds no collective
     consume    group advantages -> pi_old (and pi_ref) -> minibatch updates, each weighted by
                the off-policy correction (algorithm.is_correction) -> the engine's new
-               weights -> the step's row of metrics
+               weights -> the step's row of metrics. With rollout.max_staleness >= 1 the
+               sampler's thread may recompute pi_old while the updates run (`old_policy`)
 
 Every function here works on a gspo.run.Run; the loop around the steps (evaluation,
 checkpoints, signals) is gspo.trainer's.
@@ -26,13 +27,15 @@ import torch
 
 from gspo import metrics as M
 from gspo import precision
-from gspo.async_rollouts import Batch
+from gspo.async_rollouts import Batch, Rows
 from gspo.data import decode_responses, encode_prompts, score
-from gspo.distributed import Dist, as_local, is_sharded, no_sync
+from gspo.distributed import Dist, Policy, as_local, is_sharded, no_sync
 from gspo.engines import Rollouts, SamplingParams, stop_token_ids
 from gspo.errors import TrainingError
 from gspo.metrics import WeightedMean
 from gspo.group_filter import Round, extra_prompts, fill, merge
+from gspo.lora import is_lora
+from gspo.moe import NoRouting
 from gspo.objectives import (OBJECTIVES, NonFiniteError, engine_mismatch, group_advantages,
                              importance_weights, kl_k3, overlong_penalty, varying_groups)
 from gspo.packing import pack_by_tokens
@@ -220,21 +223,25 @@ def consume(run: Run, step: int, batch: Batch, times: dict[str, float]) -> dict[
     scale = cfg.algorithm.advantage_scale
     adv = group_advantages(trained, cfg.rollout.group_size, scale,
                            whole_batch_std(trained, d) if scale == "batch" else None)
+    parts = minibatches(run, len(batch.rewards))  # before pi_old, which may follow their order
     try:
-        # ---- pi_old (and pi_ref)
+        # ---- pi_old (and pi_ref); or pi_old's rows as the sampler's thread recomputes them
         with _phase(run, step, "old_logp", times):
-            old_logp, entropy, mismatch = old_policy(run, rollouts, step)
+            old_logp, entropy, mismatch = old_policy(run, rollouts, step, parts)
             ref_logp = (policy_logprobs(run.ref_policy, rollouts, cfg.rollout.temperature,
                                         micro_batches(run, rollouts, run.ref_policy),
                                         cfg.model.logprob_chunk_size)
                         if run.ref_policy else None)
         # ---- minibatch updates, then the new weights to whoever samples next
         with _phase(run, step, "update", times):
-            m = update(run, rollouts, old_logp, ref_logp, adv, keep)
+            m = update(run, rollouts, old_logp, ref_logp, adv, keep, parts)
             if run.sampler is None:
                 run.engine.load_weights(policy_weights(run.policy, run.model))
             else:  # version step + 1, for the batch of step + 1 + max_staleness
                 run.sampler.publish(step + 1, policy_weights(run.policy, run.model))
+        if isinstance(old_logp, Rows):  # every row's pi_old, for the metrics
+            old_logp, entropy = old_logp.get()
+            mismatch = mismatch_metrics(run, old_logp, rollouts)
     except NonFiniteError as e:  # weights an earlier update (or the warm-up) broke
         what = str(e).split(";")[0]  # "logp contains NaN"
         raise TrainingError(f"{what} at RL step {step + 1}: the policy's weights are no longer "
@@ -335,15 +342,22 @@ def warn_constant_reward(run: Run, r_std: float, step: int) -> None:
                     step - CONSTANT_REWARD_STEPS + 2, step + 1)
 
 
-def old_policy(run: Run, r: Rollouts, step: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def old_policy(run: Run, r: Rollouts, step: int, parts: list[torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor | Rows, torch.Tensor | None, dict]:
     """pi_old's per-token log-probs, the per-token entropy, and engine-mismatch metrics.
 
     recompute: a no-grad forward of the training model (recording MoE routing for replay);
+               with rollout.sampler_recomputes (where `sampler_recomputes` allows it), the
+               forward runs in the sampler's thread, on its copy of the current weights,
+               while the trainer updates: pi_old is then the Rows it fills in, in the order of
+               the minibatches `parts`, and the entropy and metrics come after the update
     rollout:   the sampler's own log-probs, with no forward pass, except every
                `mismatch_every` steps a recompute only to measure the mismatch. The entropy
                is then estimated as -logp of the sampled tokens (unbiased for the sampler's).
     """
     a, chunk, temp = run.cfg.algorithm, run.cfg.model.logprob_chunk_size, run.cfg.rollout.temperature
+    if parts is not None and sampler_recomputes(run):
+        return recompute_in_sampler(run, r, step, parts), None, {}
     use_rollout = a.old_logprobs == "rollout"
     monitor = use_rollout and a.mismatch_every > 0 and step % a.mismatch_every == 0
     metrics = {}
@@ -354,14 +368,58 @@ def old_policy(run: Run, r: Rollouts, step: int) -> tuple[torch.Tensor, torch.Te
         train_logp, entropy = policy_logprobs(run.policy, r, temp,
                                               micro_batches(run, r, run.policy), chunk, True,
                                               route=route)
-        mismatch = engine_mismatch(train_logp, r.logp, r.response_mask)
-        mismatch = reduce_mismatch({k: float(v) for k, v in mismatch.items()}, r, run.dist)
-        metrics = {M.MISMATCH + k: v for k, v in mismatch.items()}
-        if use_rollout:
-            warn_mismatch(run, mismatch)
+        metrics = mismatch_metrics(run, train_logp, r)
     if use_rollout:
         return r.logp, -r.logp, metrics
     return train_logp, entropy, metrics
+
+
+def mismatch_metrics(run: Run, train_logp: torch.Tensor, r: Rollouts) -> dict[str, float]:
+    """mismatch/*: the engine's log-probs against the trainer's, over ranks (and said once,
+    when pi_old is the engine's, if they differ by more than the clip range)."""
+    mismatch = engine_mismatch(train_logp, r.logp, r.response_mask)
+    mismatch = reduce_mismatch({k: float(v) for k, v in mismatch.items()}, r, run.dist)
+    if run.cfg.algorithm.old_logprobs == "rollout":
+        warn_mismatch(run, mismatch)
+    return {M.MISMATCH + k: v for k, v in mismatch.items()}
+
+
+def sampler_recomputes(run: Run) -> bool:
+    """pi_old's recompute may run in the sampler's thread (rollout.sampler_recomputes): an
+    asynchronous run whose engine samples from its own copy of the weights in their dtype
+    (the same forward, under the same autocast, as the trainer's), unsharded, dense (no MoE
+    routing to record) and without LoRA (the copy holds merged weights)."""
+    model = getattr(run.engine, "model", None)
+    return (run.sampler is not None and run.cfg.rollout.sampler_recomputes
+            and run.cfg.algorithm.old_logprobs == "recompute"
+            and isinstance(model, torch.nn.Module) and model is not run.model
+            and next(model.parameters()).dtype == next(run.model.parameters()).dtype
+            and not is_sharded(run.policy) and not is_lora(run.model)
+            and isinstance(run.routing, NoRouting))
+
+
+def recompute_in_sampler(run: Run, r: Rollouts, step: int, parts: list[torch.Tensor]) -> Rows:
+    """pi_old recomputed in the sampler's thread, on its copy loaded with weight version
+    `step` (the trainer's now), minibatch by minibatch in the update's order from the second
+    on (the first takes pi_old from its own forward, `update`), the first last (for the
+    entropy and mismatch metrics)."""
+    temp, chunk = run.cfg.rollout.temperature, run.cfg.model.logprob_chunk_size
+    compute_dtype = getattr(run.policy, "module", run.policy).compute_dtype  # under DDP too
+
+    def work(engine, rows: Rows, checkpoint) -> None:
+        policy, was = Policy(engine.model, compute_dtype), engine.model.training
+        engine.model.train(run.model.training)  # the trainer's mode (dropout), as its recompute
+        try:
+            for mb in parts[1:] + parts[:1]:
+                for idx in micro_batches(run, r, policy, mb):
+                    checkpoint()
+                    with torch.no_grad():
+                        rows.put(idx, *policy(r.input_ids[idx], r.attention_mask[idx],
+                                              r.response_ids.shape[1], temp, chunk, True))
+        finally:
+            engine.model.train(was)
+
+    return run.sampler.recompute(step, work, *r.response_ids.shape)
 
 
 MISMATCH_WARN_FACTOR = 1.0
@@ -426,11 +484,14 @@ def reduce_mismatch(m: dict[str, float], r: Rollouts, d: Dist) -> dict[str, floa
     return {k: out[k] for k in m}  # engine_mismatch's order
 
 
-def update(run: Run, r: Rollouts, old_logp, ref_logp, adv, keep=None) -> dict[str, float]:
-    """`minibatches` optimiser steps over this rank's rollout rows; returns metrics reduced
-    over ranks (token-weighted means, global min / max). keep: (B,) bool, the rows that stay
-    in the loss (algorithm.overlong=mask); the others carry no advantage and no KL, and leave
-    the denominators.
+def update(run: Run, r: Rollouts, old_logp, ref_logp, adv, keep=None,
+           parts: list[torch.Tensor] | None = None) -> dict[str, float]:
+    """`minibatches` optimiser steps over this rank's rollout rows (`parts`, drawn here when
+    not given); returns metrics reduced over ranks (token-weighted means, global min / max).
+    keep: (B,) bool, the rows that stay in the loss (algorithm.overlong=mask); the others
+    carry no advantage and no KL, and leave the denominators. old_logp: pi_old's log-probs,
+    or the Rows the sampler's thread recomputes them into, in which case the first minibatch,
+    at theta = theta_old still, takes pi_old from its own forward (its ratio exactly 1).
 
     Every loss is divided by the GLOBAL count of its minibatch (sequences, or tokens for
     token-mean) and multiplied by the world size, so that DDP's gradient average over ranks of
@@ -447,7 +508,7 @@ def update(run: Run, r: Rollouts, old_logp, ref_logp, adv, keep=None) -> dict[st
     run.model.train()
     rows = torch.ones(len(adv), device=adv.device) if keep is None else keep.to(adv.dtype)
     adv = adv * (rows if adv.dim() == 1 else rows[:, None])
-    for mb in minibatches(run, r.response_ids.shape[0]):
+    for j, mb in enumerate(parts or minibatches(run, r.response_ids.shape[0])):
         # the global normalisers of this optimiser step, shared by all its micro-batches:
         # sequences (the KL's, and the objective's unless token-mean) and tokens
         sequences = (float(len(mb) * d.world) if keep is None
@@ -463,7 +524,9 @@ def update(run: Run, r: Rollouts, old_logp, ref_logp, adv, keep=None) -> dict[st
                 logp = run.policy(r.input_ids[idx], r.attention_mask[idx], T,
                                   cfg.rollout.temperature, cfg.model.logprob_chunk_size,
                                   share_prompts=not run.routing.replays)
-                loss, metrics = micro_loss(run, r, idx, logp, old_logp, ref_logp, adv,
+                old = (old_logp[idx] if not isinstance(old_logp, Rows)
+                       else logp.detach() if j == 0 else old_logp.get(idx)[0])
+                loss, metrics = micro_loss(run, r, idx, logp, old, ref_logp, adv,
                                            objective, denom, sequences, rows[idx])
                 if bad is None and not torch.isfinite(loss):
                     bad = (float(loss.detach()), dict(metrics))
@@ -555,9 +618,9 @@ def whole_batch_std(values: torch.Tensor, d: Dist) -> torch.Tensor | None:
     return torch.tensor(d.sum(whole), dtype=values.dtype).std()
 
 
-def micro_loss(run: Run, r: Rollouts, idx, logp, old_logp, ref_logp, adv, objective,
+def micro_loss(run: Run, r: Rollouts, idx, logp, old, ref_logp, adv, objective,
                denom: float, sequences: float, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """The loss of rows `idx` (logp: their forward): `objective` (a LossSpec with its
+    """The loss of rows `idx` (logp: their forward; old: their pi_old): `objective` (a LossSpec with its
     settings bound) with the off-policy correction's weights, plus the KL penalty when
     algorithm.beta > 0. denom: the objective's global normaliser; sequences: the minibatch's
     global sequence count (the KL's); rows: 1 for the rows that stay in the loss, 0 for the
@@ -570,10 +633,10 @@ def micro_loss(run: Run, r: Rollouts, idx, logp, old_logp, ref_logp, adv, object
         # takes (pi_old is the engine's): the weight is then what truncation or masking
         # leaves of that ratio, not the ratio a second time
         rollout = a.old_logprobs == "rollout"
-        trainer_logp = logp.detach() if rollout else old_logp[idx]
+        trainer_logp = logp.detach() if rollout else old
         weights = importance_weights(trainer_logp, r.logp[idx], mask, a.is_correction,
                                      a.is_level, a.is_cap, a.is_floor, relative=rollout)
-    loss, metrics = objective(logp, old_logp[idx], adv[idx], mask, denom=denom,
+    loss, metrics = objective(logp, old, adv[idx], mask, denom=denom,
                               is_weights=weights)
     if a.beta > 0:
         loss = loss + a.beta * (kl_k3(logp, ref_logp[idx], mask) * rows).sum() / sequences

@@ -49,7 +49,7 @@ from gspo.run import Run, Summary, policy_weights
 from gspo.runlock import exclusive
 from gspo.runrecord import write_record
 from gspo.signals import Interrupted, StopRequest, under_torchrun
-from gspo.step import rl_step, sample_batch
+from gspo.step import rl_step, sample_batch, sampler_recomputes
 from gspo.trackers import require as require_trackers
 from gspo.warmup import warmup
 from gspo.weights import copy_weights_
@@ -295,6 +295,9 @@ def start_sampler(run: Run, end: int | None = None) -> None:
                                policy_weights(run.policy, run.model),
                                lambda step, hold: sample_batch(run, step, hold),
                                sampler_threads, cores, end)
+    # pi_old's recompute in the sampler's thread: one job a step, before the batch it samples
+    # from the same weights
+    run.sampler.jobs_each_step = sampler_recomputes(run)
 
 
 def rl_loop(run: Run, resume: bool, logger: MetricsLogger,
