@@ -94,7 +94,7 @@ def test_a_job_runs_on_its_versions_weights_before_the_batch_sampled_from_them()
     m) runs in the sampler's thread with the engine holding version m, between two batches;
     with one job each step, the batch sampled from version m waits for it; its rows reach
     the trainer as they are filled, and a job's failure is raised where the trainer waits."""
-    engine, published, order = VersionEngine(0), [0], []
+    engine, order = VersionEngine(0), []
 
     def produce(step, hold):
         with hold():
