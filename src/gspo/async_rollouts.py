@@ -147,24 +147,25 @@ class Rows:
     log-probs and entropies, rollout.sampler_recomputes): `get` waits for the rows it asks
     for, and raises the sampler's failure, or its end, instead of waiting for ever."""
 
-    def __init__(self, sampler: "AsyncSampler", B: int, T: int):
+    def __init__(self, sampler: "AsyncSampler", B: int, T: int,
+                 device: torch.device | str = "cpu"):
         self.sampler = sampler
-        self.logp, self.entropy = torch.zeros(B, T), torch.zeros(B, T)
+        self.logp, self.entropy = torch.zeros(B, T, device=device), torch.zeros(B, T, device=device)
         self.ready = torch.zeros(B, dtype=torch.bool)
         self.error: BaseException | None = None
 
     def put(self, rows: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor) -> None:
         with self.sampler._cond:
             self.logp[rows], self.entropy[rows] = logp, entropy
-            self.ready[rows] = True
+            self.ready[rows.cpu()] = True
             self.sampler._cond.notify_all()
 
     def get(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs, entropies) of `rows` (default all), once the sampler has them."""
         rows = torch.arange(len(self.ready)) if rows is None else rows
-        s = self.sampler
-        with s._cond, s._waiting(not bool(self.ready[rows].all())):
-            while not bool(self.ready[rows].all()):
+        s, ready = self.sampler, lambda: bool(self.ready[rows.cpu()].all())
+        with s._cond, s._waiting(not ready()):
+            while not ready():
                 if self.error is not None:
                     raise self.error
                 if s._error is not None or not s._thread.is_alive():
@@ -245,11 +246,13 @@ class AsyncSampler:
             self._published = version
             self._cond.notify_all()
 
-    def recompute(self, version: int, work: Callable, B: int, T: int) -> Rows:
+    def recompute(self, version: int, work: Callable, B: int, T: int,
+                  device: torch.device | str = "cpu") -> Rows:
         """Step `version`'s job for the sampler's thread: work(engine, rows, checkpoint) with
         the engine holding weight version `version` (the trainer's current ones), filling
-        `rows` (B rows of T tokens) as it goes and calling checkpoint() between its parts."""
-        rows = Rows(self, B, T)
+        `rows` (B rows of T tokens, on `device`) as it goes and calling checkpoint() between
+        its parts."""
+        rows = Rows(self, B, T, device)
         with self._cond:
             self._jobs.append((version, work, rows))
             self._last_job = version

@@ -213,9 +213,10 @@ class RolloutConfig:
                                   "recompute: the sampler's thread recomputes pi_old on its own "
                                   "copy of the weights, loaded with the current ones, while the "
                                   "trainer updates (the first minibatch takes pi_old from its own "
-                                  "forward: its ratio is exactly 1); where the engine samples "
-                                  "from a copy in the weights' dtype, one process or DDP, dense, "
-                                  "without LoRA; false: the trainer recomputes before its updates")
+                                  "forward: its ratio is exactly 1); on the CPU, where the engine "
+                                  "samples from a copy in the weights' dtype, one process or DDP, "
+                                  "dense, without LoRA; false: the trainer recomputes before its "
+                                  "updates")
     tensor_parallel_size: int = _f(1, "vllm only: GPUs (ranks of one node) that share one vLLM "
                                    "engine under torchrun; 1 = one engine per rank", ge=1)
     vllm_sleep: bool = _f(False, "vllm only, GPU only: vLLM discards its weights and KV cache "

@@ -386,11 +386,13 @@ def mismatch_metrics(run: Run, train_logp: torch.Tensor, r: Rollouts) -> dict[st
 
 def sampler_recomputes(run: Run) -> bool:
     """pi_old's recompute may run in the sampler's thread (rollout.sampler_recomputes): an
-    asynchronous run whose engine samples from its own copy of the weights in their dtype
-    (the same forward, under the same autocast, as the trainer's), unsharded, dense (no MoE
-    routing to record) and without LoRA (the copy holds merged weights)."""
+    asynchronous run on the CPU (where it was measured: the two threads share the cores)
+    whose engine samples from its own copy of the weights in their dtype (the same forward,
+    under the same autocast, as the trainer's), unsharded, dense (no MoE routing to record)
+    and without LoRA (the copy holds merged weights)."""
     model = getattr(run.engine, "model", None)
     return (run.sampler is not None and run.cfg.rollout.sampler_recomputes
+            and run.dist.device.type == "cpu"
             and run.cfg.algorithm.old_logprobs == "recompute"
             and isinstance(model, torch.nn.Module) and model is not run.model
             and next(model.parameters()).dtype == next(run.model.parameters()).dtype
@@ -419,7 +421,7 @@ def recompute_in_sampler(run: Run, r: Rollouts, step: int, parts: list[torch.Ten
         finally:
             engine.model.train(was)
 
-    return run.sampler.recompute(step, work, *r.response_ids.shape)
+    return run.sampler.recompute(step, work, *r.response_ids.shape, r.response_ids.device)
 
 
 MISMATCH_WARN_FACTOR = 1.0
