@@ -130,6 +130,21 @@ def test_a_job_runs_on_its_versions_weights_before_the_batch_sampled_from_them()
         Rows(sampler, 1, 1).get()  # a closed sampler's thread computes nothing more
 
 
+def test_a_batch_failure_while_the_trainer_waits_for_rows_is_raised_as_itself():
+    """The sampler fails on a batch while the trainer waits for its job's rows: the trainer
+    gets the batch's own exception, as `take` gives it (a GspoError stays one for the CLI)."""
+    engine, published = VersionEngine(0), [0]
+    sampler = make_sampler(engine, 2, 0, published, random.Random(0), fail_at=1)
+    sampler.jobs_each_step = True
+    try:
+        sampler.take(0)
+        rows = sampler.recompute(0, lambda engine, rows, checkpoint: None, 1, 1)  # fills none
+        with pytest.raises(KeyError, match="answr"):
+            rows.get()
+    finally:
+        sampler.close()
+
+
 def test_close_abandons_the_batch_in_flight_at_its_next_decode_step():
     """A SIGTERM's exit need not wait for a whole sampling: an engine with on_step (the hf
     engine) is interrupted there once the sampler closes; the trainer's own decodes are not."""

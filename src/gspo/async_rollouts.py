@@ -168,9 +168,11 @@ class Rows:
             while not ready():
                 if self.error is not None:
                     raise self.error
-                if s._error is not None or not s._thread.is_alive():
+                if s._error is not None:  # the sampler's own failure, as `take` raises it
+                    raise s._error
+                if not s._thread.is_alive():
                     raise RuntimeError("the rollout sampler thread ended before pi_old's "
-                                       "recompute") from s._error
+                                       "recompute")
                 s._cond.wait(WAIT_POLL_S)
             return self.logp[rows], self.entropy[rows]
 
