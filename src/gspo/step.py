@@ -407,10 +407,11 @@ def recompute_in_sampler(run: Run, r: Rollouts, step: int, parts: list[torch.Ten
     entropy and mismatch metrics)."""
     temp, chunk = run.cfg.rollout.temperature, run.cfg.model.logprob_chunk_size
     compute_dtype = getattr(run.policy, "module", run.policy).compute_dtype  # under DDP too
+    training = run.model.training  # the trainer's mode now (dropout), as its recompute's
 
     def work(engine, rows: Rows, checkpoint) -> None:
         policy, was = Policy(engine.model, compute_dtype), engine.model.training
-        engine.model.train(run.model.training)  # the trainer's mode (dropout), as its recompute
+        engine.model.train(training)
         try:
             for mb in parts[1:] + parts[:1]:
                 for idx in micro_batches(run, r, policy, mb):
