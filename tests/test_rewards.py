@@ -97,3 +97,35 @@ def test_correctness_only_drops_the_format_bonus_of_each_built_in_part():
     assert correctness_only(untouched) is untouched
     for r in (math, held, held_total, total):
         r.close()
+
+
+def test_closing_a_run_closes_each_reward_part_once():
+    """The held-out reward (format bonus off) shares a sum's other parts with the training
+    reward: each is closed once, a user's close() included."""
+    from types import SimpleNamespace
+
+    from gspo.callbacks import Callbacks
+    from gspo.data import RewardSum, correctness_only
+    from gspo.rewards.math import MathReward
+    from gspo.trainer import close_run
+
+    class Counted:
+        closes = 0
+
+        def __call__(self, completion, **_):
+            return 0.0
+
+        def close(self):
+            self.closes += 1
+
+    user, math = Counted(), MathReward(format_weight=0.2)
+    total = RewardSum([math, user])
+    held = correctness_only(total)
+    closed = []
+    held.parts[0].close = lambda: closed.append("held-out math")
+    math.close = lambda: closed.append("math")
+    nothing = SimpleNamespace(close=lambda: None)
+    run = SimpleNamespace(sampler=None, threads=None, engine=nothing, routing=nothing,
+                          reward_fn=total, eval_reward_fn=held, callbacks=Callbacks())
+    close_run(run)
+    assert user.closes == 1 and sorted(closed) == ["held-out math", "math"]

@@ -485,8 +485,10 @@ def close_run(run: Run) -> None:
     run.engine.close()
     run.routing.close()
     close_reward(run.reward_fn)
-    if run.eval_reward_fn is not run.reward_fn:
-        close_reward(run.eval_reward_fn)
+    # the held-out reward's own parts: a sum shares the others with reward_fn (closed once)
+    theirs = getattr(run.reward_fn, "parts", [run.reward_fn])
+    close_reward([f for f in getattr(run.eval_reward_fn, "parts", [run.eval_reward_fn])
+                  if not any(f is g for g in theirs)])
     # a callback that kept `run` closes a cycle (run -> callbacks -> it -> run) that reference
     # counting cannot free: left to a later collection (at interpreter exit, under torchrun,
     # gloo's teardown can then abort the rank: gspo.distributed.shutdown)
