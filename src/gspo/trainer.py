@@ -287,10 +287,6 @@ def start_sampler(run: Run, end: int | None = None) -> None:
         cores.join(TRAINER)
         cores.watch(run.model)
         sampler_threads = shares[SAMPLER]
-    log.info("asynchronous rollouts: the sampler computes with %s thread(s), the trainer with "
-             "%d%s", sampler_threads or torch.get_num_threads(), torch.get_num_threads(),
-             f" (either with {run.threads} while the other waits)" if run.cfg.rollout.share_cores
-             and cores else "")
     run.sampler = AsyncSampler(run.engine, run.cfg.rollout.max_staleness, run.start_step,
                                policy_weights(run.policy, run.model),
                                lambda step, hold: sample_batch(run, step, hold),
@@ -298,6 +294,12 @@ def start_sampler(run: Run, end: int | None = None) -> None:
     # pi_old's recompute in the sampler's thread: one job a step, before the batch it samples
     # from the same weights
     run.sampler.jobs_each_step = sampler_recomputes(run)
+    log.info("asynchronous rollouts: the sampler computes with %s thread(s), the trainer with "
+             "%d%s%s", sampler_threads or torch.get_num_threads(), torch.get_num_threads(),
+             f" (either with {run.threads} while the other waits)" if run.cfg.rollout.share_cores
+             and cores else "",
+             "; pi_old is recomputed in the sampler's thread" if run.sampler.jobs_each_step
+             else "")
 
 
 def rl_loop(run: Run, resume: bool, logger: MetricsLogger,
