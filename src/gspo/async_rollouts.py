@@ -15,9 +15,10 @@ What the sampler thread does: the rollout and the rewards (the producer), and th
 trainer hands it (`recompute`: pi_old's forward on the engine's copy loaded with the trainer's
 current weights, rollout.sampler_recomputes; one each step, before the batch sampled from the
 same weights); what stays in the trainer's thread: every collective, the updates, evaluation
-(`borrow` pauses the sampler and gives the engine the current weights), checkpoints. In-flight rollouts are not saved: a
-resumed run samples its first step from the weights it resumed with (staleness 0), so a resume
-loses no update but is not bit-identical to an uninterrupted asynchronous run.
+(`borrow` pauses the sampler and gives the engine the current weights), checkpoints.
+In-flight rollouts are not saved: a resumed run samples its first step from the weights it
+resumed with (staleness 0), so a resume loses no update but is not bit-identical to an
+uninterrupted asynchronous run.
 
 On the CPU the two threads share the cores (`CoreShare`): each computes with its share of
 torch's threads while both work, and with all of them while the other waits.
@@ -150,7 +151,8 @@ class Rows:
     def __init__(self, sampler: "AsyncSampler", B: int, T: int,
                  device: torch.device | str = "cpu"):
         self.sampler = sampler
-        self.logp, self.entropy = torch.zeros(B, T, device=device), torch.zeros(B, T, device=device)
+        self.logp = torch.zeros(B, T, device=device)
+        self.entropy = torch.zeros(B, T, device=device)
         self.ready = torch.zeros(B, dtype=torch.bool)
         self.error: BaseException | None = None
 
@@ -316,8 +318,9 @@ class AsyncSampler:
         try:
             while True:
                 version = self.version_for(step)
-                with self._cond, self._waiting(not self._may_sample(step)):
-                    while not (self._jobs or self._may_sample(step) or self._closing):
+                ready = lambda: self._jobs or self._may_sample(step)  # noqa: E731
+                with self._cond, self._waiting(not ready()):
+                    while not (ready() or self._closing):
                         self._cond.wait(WAIT_POLL_S)
                     if self._closing:
                         return

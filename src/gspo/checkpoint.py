@@ -259,7 +259,7 @@ def _safetensors_header_problem(path: Path) -> str | None:
             f.keys()
         return None
     except (SafetensorError, OSError) as e:
-        return (str(e).splitlines() or [type(e).__name__])[0][:200]
+        return _first_line(e)
 
 
 def _needed_mb(ckpts: Path, model) -> float:
@@ -492,10 +492,18 @@ def _torch_load(path: Path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
-        why = (str(e).splitlines() or [type(e).__name__])[0][:200]
-        raise TrainingError(f"{path} cannot be read ({why}): the checkpoint is damaged; restore "
-                            f"the file, or move {path.parent} aside to resume from the "
-                            f"checkpoint before it") from e
+        raise _damaged(path, e) from e
+
+
+def _damaged(path: Path, e: BaseException) -> TrainingError:
+    """A checkpoint file that cannot be read, named with what the reader said and the fix."""
+    return TrainingError(f"{path} cannot be read ({_first_line(e)}): the checkpoint is damaged; "
+                         f"restore the file, or move {path.parent} aside to resume from the "
+                         f"checkpoint before it")
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]
 
 
 def _load_component(obj, state_dict: dict | None, what: str, ckpt_dir: Path) -> None:
@@ -533,10 +541,7 @@ def _read_safetensors(ckpt_dir: Path) -> dict[str, torch.Tensor]:
         try:
             return load_file(path)
         except SafetensorError as e:  # damaged after a resume checked it, or never checked
-            why = (str(e).splitlines() or [type(e).__name__])[0][:200]
-            raise TrainingError(f"{path} cannot be read ({why}): the checkpoint is damaged; "
-                                f"restore the file, or move {path.parent} aside to resume "
-                                f"from the checkpoint before it") from e
+            raise _damaged(path, e) from e
 
     index = ckpt_dir / "model.safetensors.index.json"
     if not index.is_file():

@@ -194,7 +194,10 @@ def _remove_leftovers(out: Path) -> None:
         pid = rest.split("-", 1)[0]
         if kind not in ("tmp", "old") or not pid.isdigit() or _alive(int(pid)):
             continue
-        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:

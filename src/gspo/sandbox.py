@@ -29,7 +29,8 @@ as a separate session so the whole process group can be killed):
                  RLIMIT_FSIZE, RLIMIT_NOFILE, no core dumps; the parent enforces the wall-clock
                  limit and caps what it reads of stdout (the program is killed when it prints
                  more) and keeps the last `stderr_bytes` of stderr (as judges, which ignore a
-                 program's stderr: debug output never fails a right answer), then kills the process group and any process left with the uid.
+                 program's stderr: debug output never fails a right answer), then kills the
+                 process group and any process left with the uid.
     environment  scrubbed: PATH, LANG, HOME = TMPDIR = the working directory, and one-thread
                  settings for BLAS libraries; nothing of the parent's environment.
 

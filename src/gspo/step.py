@@ -623,11 +623,11 @@ def whole_batch_std(values: torch.Tensor, d: Dist) -> torch.Tensor | None:
 
 def micro_loss(run: Run, r: Rollouts, idx, logp, old, ref_logp, adv, objective,
                denom: float, sequences: float, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """The loss of rows `idx` (logp: their forward; old: their pi_old): `objective` (a LossSpec with its
-    settings bound) with the off-policy correction's weights, plus the KL penalty when
-    algorithm.beta > 0. denom: the objective's global normaliser; sequences: the minibatch's
-    global sequence count (the KL's); rows: 1 for the rows that stay in the loss, 0 for the
-    others."""
+    """The loss of rows `idx` (logp: their forward; old: their pi_old): `objective` (a
+    LossSpec with its settings bound) with the off-policy correction's weights, plus the KL
+    penalty when algorithm.beta > 0. denom: the objective's global normaliser; sequences: the
+    minibatch's global sequence count (the KL's); rows: 1 for the rows that stay in the loss,
+    0 for the others."""
     a, mask = run.cfg.algorithm, r.response_mask[idx]
     weights = None
     if a.is_correction != "none":
