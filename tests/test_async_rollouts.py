@@ -397,12 +397,20 @@ def test_pi_old_recomputed_in_the_sampler_thread_is_the_trainers_own(tmp_path, t
     """rollout.sampler_recomputes (the default): the trainer makes no pi_old forward of its
     own, and the run's rows equal those of the trainer's recompute (fixed shares: the same
     thread counts) to float32's last bits."""
-    calls = []
-    real = step_mod.policy_logprobs
+    calls, puts = [], []
+    real, put = step_mod.policy_logprobs, Rows.put
     monkeypatch.setattr(step_mod, "policy_logprobs",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(Rows, "put", lambda self, rows, *a: puts.append(
+        (threading.current_thread().name, len(rows))) or put(self, rows, *a))
     rows = run_async(tmp_path / "a", tiny_overrides, FIXED)
     assert calls == []
+    # the first minibatch's rows come from the trainer's own forward (at theta_old still), the
+    # others' from the sampler's: a quarter and three quarters of each step's rows
+    cfg = load_config(overrides=tiny_overrides)
+    B, parts = cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.algorithm.minibatches
+    by = {name: sum(n for who, n in puts if who == name) for name in ("MainThread", "gspo-sampler")}
+    assert by == {"MainThread": 4 * B // parts, "gspo-sampler": 4 * (B - B // parts)}
     ref = run_async(tmp_path / "b", tiny_overrides, FIXED, "rollout.sampler_recomputes=false")
     assert len(calls) == 4  # one recompute a step
     assert [sorted(r) for r in same(rows)] == [sorted(r) for r in same(ref)]

@@ -403,8 +403,8 @@ def sampler_recomputes(run: Run) -> bool:
 def recompute_in_sampler(run: Run, r: Rollouts, step: int, parts: list[torch.Tensor]) -> Rows:
     """pi_old recomputed in the sampler's thread, on its copy loaded with weight version
     `step` (the trainer's now), minibatch by minibatch in the update's order from the second
-    on (the first takes pi_old from its own forward, `update`), the first last (for the
-    entropy and mismatch metrics)."""
+    on: the first takes pi_old (and the entropy) from its own forward (`update`), at theta =
+    theta_old still."""
     temp, chunk = run.cfg.rollout.temperature, run.cfg.model.logprob_chunk_size
     compute_dtype = getattr(run.policy, "module", run.policy).compute_dtype  # under DDP too
     training = run.model.training  # the trainer's mode now (dropout), as its recompute's
@@ -413,7 +413,7 @@ def recompute_in_sampler(run: Run, r: Rollouts, step: int, parts: list[torch.Ten
         policy, was = Policy(engine.model, compute_dtype), engine.model.training
         engine.model.train(training)
         try:
-            for mb in parts[1:] + parts[:1]:
+            for mb in parts[1:]:  # the first minibatch's are the trainer's (`update`)
                 for idx in micro_batches(run, r, policy, mb):
                     checkpoint()
                     with torch.no_grad():
@@ -494,7 +494,8 @@ def update(run: Run, r: Rollouts, old_logp, ref_logp, adv, keep=None,
     keep: (B,) bool, the rows that stay in the loss (algorithm.overlong=mask); the others
     carry no advantage and no KL, and leave the denominators. old_logp: pi_old's log-probs,
     or the Rows the sampler's thread recomputes them into, in which case the first minibatch,
-    at theta = theta_old still, takes pi_old from its own forward (its ratio exactly 1).
+    at theta = theta_old still, takes pi_old from its own forward (its ratio exactly 1) and
+    puts its rows (the entropy too, for the metrics) into the Rows.
 
     Every loss is divided by the GLOBAL count of its minibatch (sequences, or tokens for
     token-mean) and multiplied by the world size, so that DDP's gradient average over ranks of
@@ -524,11 +525,17 @@ def update(run: Run, r: Rollouts, old_logp, ref_logp, adv, keep=None,
         for i, idx in enumerate(parts):
             with (run.routing.replaying(idx),
                   no_sync(run.policy, skip=i < len(parts) - 1)):
+                # at theta = theta_old (the first minibatch, pi_old in the sampler's rows),
+                # this forward is pi_old's too: its rows, entropy included, go to them
+                first = isinstance(old_logp, Rows) and j == 0
                 logp = run.policy(r.input_ids[idx], r.attention_mask[idx], T,
                                   cfg.rollout.temperature, cfg.model.logprob_chunk_size,
-                                  share_prompts=not run.routing.replays)
+                                  first, share_prompts=not run.routing.replays)
+                if first:
+                    logp, entropy = logp
+                    old_logp.put(idx, logp.detach(), entropy.detach())
                 old = (old_logp[idx] if not isinstance(old_logp, Rows)
-                       else logp.detach() if j == 0 else old_logp.get(idx)[0])
+                       else old_logp.get(idx)[0])
                 loss, metrics = micro_loss(run, r, idx, logp, old, ref_logp, adv,
                                            objective, denom, sequences, rows[idx])
                 if bad is None and not torch.isfinite(loss):
