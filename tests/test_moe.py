@@ -213,3 +213,90 @@ def test_routing_replay_on_a_dense_model_is_a_clear_error(tmp_path, tiny_overrid
     cfg = load_config(overrides=tiny_overrides + ["algorithm.routing_replay=true"])
     with pytest.raises(TrainingError, match="Mixture-of-Experts"):
         train(cfg, tmp_path / "run")
+
+
+@pytest.fixture
+def grouped():
+    """Two prompts of 2 rows each (the second left-padded), the responses differing: what
+    token_logprobs shares a prompt's forward for."""
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(4, 90, (2, 7), generator=g)
+    ids = torch.cat([prompts.repeat_interleave(2, 0), torch.randint(4, 90, (4, 5), generator=g)],
+                    dim=1)  # (4, 12)
+    mask = torch.ones_like(ids)
+    mask[2:, :2] = 0
+    mask[3, -2:] = 0  # a response shorter than the others
+    return ids, mask
+
+
+@pytest.mark.parametrize("share_prompts", [True, False])
+def test_router_load_loss_is_transformers_aux_loss_in_value_and_gradient(moe, grouped,
+                                                                         share_prompts):
+    """RouterLoad over gspo's forward (a shared prompt's tokens counted once per row) equals
+    the aux_loss transformers computes with output_router_logits over the same decoder
+    positions (the last token, which predicts nothing, is not fed), and so do the routers'
+    gradients."""
+    from gspo.logprobs import position_ids_from_mask
+    from gspo.moe import RouterLoad
+
+    ids, mask = grouped
+    ref = moe(input_ids=ids[:, :-1], attention_mask=mask[:, :-1],
+              position_ids=position_ids_from_mask(mask[:, :-1]), output_router_logits=True)
+    ref.aux_loss.backward()
+    routers = [m.weight for _, m in find_routers(moe)]
+    want = [w.grad.clone() for w in routers]
+    moe.zero_grad()
+    hooks = lambda: sum(len(m._forward_hooks) for m in moe.modules())  # noqa: E731
+    before = hooks()  # transformers' own output recorders among them
+    load = RouterLoad(moe)
+    with load.collect():
+        token_logprobs(moe, ids, mask, 5, share_prompts=share_prompts)
+    aux = load.loss()
+    aux.backward()
+    assert float(aux.detach()) == pytest.approx(float(ref.aux_loss.detach()), rel=1e-5)
+    assert float(aux.detach()) > 2.0  # above k = 2, its value at a perfectly even load
+    for got, w in zip([w.grad for w in routers], want):
+        torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-7)
+    load.close()
+    assert hooks() == before
+
+
+def test_router_aux_loss_follows_the_model_config_unless_set(moe, model):
+    from gspo.moe import NoRouting, routing_for
+
+    assert routing_for(moe, False).load is None  # output_router_logits off: no aux loss
+    moe.config.output_router_logits, moe.config.router_aux_loss_coef = True, 0.02
+    routing = routing_for(moe, False)
+    assert routing.aux_coef == 0.02 and routing.load is not None
+    routing.close()
+    assert routing_for(moe, False, aux_coef=0.0).load is None  # set: the config's is overridden
+    assert isinstance(routing_for(model, False), NoRouting)
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.1 needs a Mixture-of-Experts"):
+        routing_for(model, False, aux_coef=0.1)
+
+
+def test_router_aux_loss_in_train_is_logged_and_moves_the_routers(tmp_path, tiny_overrides):
+    """The update adds coef * aux to its loss: the routers' weights after a step differ from a
+    run without it (everything else equal), and moe/aux_loss is logged."""
+    from transformers import AutoModelForCausalLM
+
+    from gspo.checkpoint import latest_checkpoint
+    from gspo.config import load_config
+    from gspo.logger import read_metrics
+    from gspo.trainer import train
+
+    def run(name, coef):
+        cfg = load_config(overrides=tiny_overrides + [
+            "model.name_or_path=tiny-qwen3-moe", "model.moe_intermediate_size=32",
+            f"algorithm.router_aux_loss_coef={coef}", "train.steps=1"])
+        train(cfg, tmp_path / name)
+        final = AutoModelForCausalLM.from_pretrained(latest_checkpoint(tmp_path / name))
+        routers = {n: m.weight.detach() for n, m in find_routers(final)}
+        return read_metrics(tmp_path / name)[-1], routers
+
+    row, with_aux = run("aux", 1.0)
+    plain_row, without = run("plain", 0)
+    assert 2.0 <= row[M.MOE_AUX_LOSS] < 8.0  # k (even load) <= aux <= k * E / k (one expert)
+    assert M.MOE_AUX_LOSS not in plain_row
+    assert row[M.REWARD_MEAN] == plain_row[M.REWARD_MEAN]  # the same rollouts
+    assert any(not torch.equal(with_aux[n], without[n]) for n in with_aux)

@@ -283,6 +283,12 @@ class AlgorithmConfig:
     tis_cap: float = _f(2.0, "retired alias of is_cap (with tis)", gt=0)
     routing_replay: bool = _f(False, "MoE: record the experts chosen under pi_old and force "
                               "them when computing pi_theta (GRPO needs it, GSPO should not)")
+    router_aux_loss_coef: float | None = _f(None, "MoE: weight of the router load-balancing "
+                                            "loss (Switch Transformer's, transformers' "
+                                            "aux_loss) added to each update's loss; unset = "
+                                            "the model config's router_aux_loss_coef where its "
+                                            "output_router_logits is true (as transformers and "
+                                            "TRL apply it), else 0", ge=0)
     overlong: str = _f("none", "responses cut at rollout.max_new_tokens: none | mask (they "
                        "leave the loss, DAPO's overlong filtering) | soft_penalty (DAPO's length "
                        "penalty: from 0 to -overlong_penalty over the last overlong_buffer "

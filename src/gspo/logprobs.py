@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from gspo.moe import token_weights
+
 
 # config fields by which a model's forward changes its logits after the output embedding, and
 # the value that changes nothing
@@ -285,14 +287,19 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     if groups is None:
         # The last token predicts nothing we score, so the decoder never sees it.
         ids, mask = input_ids[:, :-1], attention_mask[:, :-1]  # (B, L-1)
-        out = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask))
+        with token_weights(mask):
+            out = decoder(input_ids=ids, attention_mask=mask,
+                          position_ids=position_ids_from_mask(mask))
         return out.last_hidden_state[:, -n_response:]  # position t-1 predicts token t
     first, inverse = groups  # (P,) one row per distinct prompt; (B,) each row's prompt
     kwarg = cache_kwarg(decoder)
     cache = DynamicCache(config=model.config)
     p_mask = prompt_mask[first]  # (P, Lp)
-    out = decoder(input_ids=prompt_ids[first], attention_mask=p_mask,
-                  position_ids=position_ids_from_mask(p_mask), use_cache=True, **{kwarg: cache})
+    shares = torch.bincount(inverse, minlength=len(first))  # (P,) rows per distinct prompt
+    with token_weights(p_mask * shares[:, None]):  # each prompt token stands for its rows'
+        out = decoder(input_ids=prompt_ids[first], attention_mask=p_mask,
+                      position_ids=position_ids_from_mask(p_mask), use_cache=True,
+                      **{kwarg: cache})
     last = out.last_hidden_state[:, -1:][inverse]  # (B, 1, H): the last prompt token predicts y_0
     if n_response == 1:
         return last
@@ -301,9 +308,10 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys[inverse], layer.values[inverse]  # (B, kv, Lp, hd)
     mask = attention_mask[:, :-1]  # (B, Lp + T - 1)
-    out = decoder(input_ids=input_ids[:, Lp:-1], attention_mask=mask,
-                  position_ids=position_ids_from_mask(mask)[:, Lp:], use_cache=True,
-                  **{kwarg: cache})
+    with token_weights(mask[:, Lp:]):
+        out = decoder(input_ids=input_ids[:, Lp:-1], attention_mask=mask,
+                      position_ids=position_ids_from_mask(mask)[:, Lp:], use_cache=True,
+                      **{kwarg: cache})
     return torch.cat([last, out.last_hidden_state], dim=1)  # (B, T, H)
 
 

@@ -53,6 +53,8 @@ IS_MASKED_TOKENS = "is/masked_token_frac"  # ... the fraction of tokens it maske
 IS_MASKED_SEQS = "is/masked_seq_frac"      # ... of sequences with no token left
 MISMATCH = "mismatch/"                 # prefix: trainer vs rollout-engine log-probs
 MOE = "moe/"                           # prefix: router load and expert volatility
+MOE_AUX_LOSS = "moe/aux_loss"          # the router load-balancing loss of the update forwards
+                                       # (algorithm.router_aux_loss_coef > 0), unweighted
 
 # ---- held-out evaluation (step 0, every train.eval_every steps and the last)
 EVAL_ACCURACY = "eval/accuracy"        # avg@k

@@ -19,6 +19,7 @@ the k chosen when the router does so), so gradients still reach the router.
 from __future__ import annotations
 
 import contextlib
+from contextvars import ContextVar
 from typing import Iterator
 
 import torch
@@ -149,6 +150,87 @@ class RoutingRecorder:
                                           device=m.weight.device) for _, m in self.routers]
 
 
+# what each token of the decoder forward now running counts for in the routers' load: the
+# forward's caller (gspo.logprobs.decoder_hidden) sets it; per thread (a sampler's thread
+# runs forwards of its own)
+_TOKEN_WEIGHTS: ContextVar[Tensor | None] = ContextVar("gspo_router_token_weights", default=None)
+
+
+@contextlib.contextmanager
+def token_weights(weights: Tensor) -> Iterator[None]:
+    """The decoder forwards inside count their tokens (b, s) with these weights in the
+    routers' load: a real token's 1, padding's 0, and a shared prompt's token the number of
+    rows whose forward it stands for."""
+    token = _TOKEN_WEIGHTS.set(weights)
+    try:
+        yield
+    finally:
+        _TOKEN_WEIGHTS.reset(token)
+
+
+class RouterLoad:
+    """The router load-balancing loss (Switch Transformer's, eqs. 4-6) of the forwards inside
+    `collect()`, as transformers' `load_balancing_loss_func` computes a MoE model's `aux_loss`
+    over a batch (output_router_logits=true):
+
+        aux = E * sum_e f_e * P_e
+
+    f_e the share of the top-k assignments that go to expert e and P_e the mean router
+    probability of e, both over the real tokens of every MoE layer together (weighted by
+    `token_weights`). Gradients flow to the routers through P_e. The experts counted are the
+    router's own top-k (under Routing Replay too, which forces others for the forward)."""
+
+    def __init__(self, model: nn.Module):
+        self.routers = find_routers(model)
+        self.num_experts = self.routers[0][1].num_experts
+        self._acc: dict | None = None  # the current collect()'s sums
+        self.last: dict | None = None  # the last one's
+        self._handles = [m.register_forward_hook(self._hook) for _, m in self.routers]
+
+    @contextlib.contextmanager
+    def collect(self) -> Iterator["RouterLoad"]:
+        """Within: the routers' load of the forwards accumulates; `loss()` gives its aux loss."""
+        if self._acc is not None:
+            raise RuntimeError("router load is already being collected")
+        E, device = self.num_experts, self.routers[0][1].weight.device
+        self._acc = {"counts": torch.zeros(E, device=device), "probs": 0.0,
+                     "total": torch.zeros((), device=device)}
+        try:
+            yield self
+        finally:
+            self.last, self._acc = self._acc, None
+
+    def loss(self) -> Tensor:
+        """The aux loss of the forwards of the current `collect()`, or of the last one (a
+        scalar, differentiable w.r.t. the routers)."""
+        acc = self._acc if self._acc is not None else self.last
+        total = acc["total"].clamp_min(1.0)
+        return self.num_experts * torch.sum(acc["counts"] / total * (acc["probs"] / total))
+
+    def _hook(self, module: nn.Module, args, output) -> None:
+        acc = self._acc
+        if acc is None:
+            return None
+        w = _TOKEN_WEIGHTS.get()
+        logits = output[0]  # (N, E)
+        if w is None or w.numel() != logits.shape[0]:
+            raise RuntimeError(f"a router saw {logits.shape[0]} tokens with "
+                               f"{'no' if w is None else w.numel()} token weights: the router "
+                               f"load is collected only in gspo's decoder forwards")
+        w = w.reshape(-1).to(torch.float32)
+        probs = torch.softmax(logits.float(), dim=-1)  # (N, E)
+        top = torch.topk(probs.detach(), module.top_k, dim=-1).indices  # (N, k)
+        acc["counts"].scatter_add_(0, top.reshape(-1), w.repeat_interleave(module.top_k))
+        acc["probs"] = acc["probs"] + (probs * w[:, None]).sum(0)  # (E,)
+        acc["total"] += w.sum()
+        return None
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
 def expert_volatility(old: list[Tensor], new: list[Tensor], mask: Tensor) -> dict[str, float]:
     """How much routing changed between two recordings of the same tokens.
 
@@ -200,7 +282,7 @@ def load_stats(indices: list[Tensor], mask: Tensor, num_experts: int) -> dict[st
 
 
 class MoeRouting:
-    """Everything the trainer does with MoE routing in an RL step, behind four calls.
+    """Everything the trainer does with MoE routing in an RL step, behind five calls.
 
         sampling / sampled   around the rollout: when Routing Replay takes pi_old from the
                              engine (old_logprobs=rollout), record the experts the engine's own
@@ -209,6 +291,8 @@ class MoeRouting:
         recording            around pi_old's recompute: record the experts it chose, or with
                              R3 force the engine's
         replaying            around each update forward (algorithm.routing_replay): force them
+        balancing            around each update forward: collect the routers' load for the
+                             load-balancing loss (algorithm.router_aux_loss_coef)
         step_metrics         after the update: router load under pi_old and expert volatility,
                              the same tokens routed again by the updated policy
 
@@ -216,9 +300,12 @@ class MoeRouting:
     """
 
     def __init__(self, model: nn.Module, replay: bool = False,
-                 engine_model: nn.Module | None = None):
+                 engine_model: nn.Module | None = None, aux_coef: float = 0.0):
         self.recorder = RoutingRecorder(model)
         self.replays = replay
+        # the router load-balancing loss's weight, and its collector (None at 0)
+        self.aux_coef = aux_coef
+        self.load = RouterLoad(model) if aux_coef > 0 else None
         # pi_old's routing recorded from the engine's forwards while it samples
         self.engine_recorder = RoutingRecorder(engine_model) if engine_model is not None else None
         self.from_engine = False  # this step's pi_old routing is the one the engine reported
@@ -262,6 +349,11 @@ class MoeRouting:
             return contextlib.nullcontext()
         return self.recorder.replay(rows)
 
+    def balancing(self):
+        """Around an update forward: a context giving the RouterLoad that collects its routers'
+        load (None when the load-balancing loss is off)."""
+        return self.load.collect() if self.load is not None else contextlib.nullcontext()
+
     def step_metrics(self, forward, response_mask: Tensor, seq_len: int, d) -> dict[str, float]:
         """`forward(route)` runs the updated policy over the step's rows under `route` (as
         `recording` returns it); response_mask (B, T) marks the response tokens, which sit at
@@ -293,12 +385,15 @@ class MoeRouting:
         self.recorder.close()
         if self.engine_recorder is not None:
             self.engine_recorder.close()
+        if self.load is not None:
+            self.load.close()
 
 
 class NoRouting:
     """The routing of a dense model: nothing to record, replay or measure."""
 
     replays = False
+    aux_coef = 0.0
 
     def sampling(self, n_rows: int):
         return contextlib.nullcontext()
@@ -312,6 +407,9 @@ class NoRouting:
     def replaying(self, rows: Tensor):
         return contextlib.nullcontext()
 
+    def balancing(self):
+        return contextlib.nullcontext()
+
     def step_metrics(self, forward, response_mask, seq_len, d) -> dict[str, float]:
         return {}
 
@@ -319,15 +417,25 @@ class NoRouting:
         pass
 
 
-def routing_for(model: nn.Module, replay: bool, engine_model: nn.Module | None = None
-                ) -> MoeRouting | NoRouting:
+def routing_for(model: nn.Module, replay: bool, engine_model: nn.Module | None = None,
+                aux_coef: float | None = None) -> MoeRouting | NoRouting:
     """The routing handler of a training model: MoeRouting when it has top-k routers, else
     NoRouting. replay: algorithm.routing_replay; engine_model: the rollout engine's model, when
-    pi_old's routing is to be recorded as it samples. Routing Replay on a dense model is a
-    ValueError."""
+    pi_old's routing is to be recorded as it samples; aux_coef: algorithm.router_aux_loss_coef
+    (None: the model config's router_aux_loss_coef where its output_router_logits is true, as
+    transformers' own forward and TRL apply it; else 0). Routing Replay, or a load-balancing
+    loss, on a dense model is a ValueError."""
     if not is_moe(model):
         if replay:
             raise ValueError("algorithm.routing_replay=true needs a Mixture-of-Experts model "
                              "with top-k routers (e.g. model.name_or_path=tiny-qwen3-moe)")
+        if aux_coef:
+            raise ValueError(f"algorithm.router_aux_loss_coef={aux_coef:g} needs a "
+                             f"Mixture-of-Experts model with top-k routers (e.g. "
+                             f"model.name_or_path=tiny-qwen3-moe)")
         return NoRouting()
-    return MoeRouting(model, replay, engine_model)
+    if aux_coef is None:
+        cfg = getattr(model, "config", None)
+        aux_coef = (float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0)
+                    if getattr(cfg, "output_router_logits", False) else 0.0)
+    return MoeRouting(model, replay, engine_model, aux_coef)

@@ -523,7 +523,7 @@ def update(run: Run, r: Rollouts, old_logp, ref_logp, adv, keep=None,
         mb_loss, bad = 0.0, None
         parts = micro_batches(run, r, run.policy, mb)
         for i, idx in enumerate(parts):
-            with (run.routing.replaying(idx),
+            with (run.routing.replaying(idx), run.routing.balancing() as load,
                   no_sync(run.policy, skip=i < len(parts) - 1)):
                 # at theta = theta_old (the first minibatch, pi_old in the sampler's rows),
                 # this forward is pi_old's too: its rows, entropy included, go to them
@@ -538,6 +538,10 @@ def update(run: Run, r: Rollouts, old_logp, ref_logp, adv, keep=None,
                        else old_logp.get(idx)[0])
                 loss, metrics = micro_loss(run, r, idx, logp, old, ref_logp, adv,
                                            objective, denom, sequences, rows[idx])
+                if load is not None:  # the routers' load-balancing loss, its rows' share
+                    aux = load.loss()
+                    loss = loss + run.routing.aux_coef * aux * len(idx) / (len(mb) * d.world)
+                    stats.add(M.MOE_AUX_LOSS, float(aux.detach()), len(idx))
                 if bad is None and not torch.isfinite(loss):
                     bad = (float(loss.detach()), dict(metrics))
                 precision.backward(loss * d.world, run.scaler)

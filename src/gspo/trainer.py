@@ -163,7 +163,8 @@ def build_run(cfg: Config, run_dir: Path, resume: bool, *, reward_fn=None, train
             precision.warn_vanishing_updates(model, cfg.optim.lr)
         try:
             routing = routing_for(model, a.routing_replay, getattr(engine, "model", None) if (
-                a.routing_replay and a.old_logprobs == "rollout") else None)
+                a.routing_replay and a.old_logprobs == "rollout") else None,
+                a.router_aux_loss_coef)
         except ValueError as e:
             raise TrainingError(f"{e}; {cfg.model.name_or_path} has none") from None
         gen = torch.Generator().manual_seed(t.seed)
