@@ -300,3 +300,29 @@ def test_router_aux_loss_in_train_is_logged_and_moves_the_routers(tmp_path, tiny
     assert M.MOE_AUX_LOSS not in plain_row
     assert row[M.REWARD_MEAN] == plain_row[M.REWARD_MEAN]  # the same rollouts
     assert any(not torch.equal(with_aux[n], without[n]) for n in with_aux)
+
+
+def test_routing_hooks_watch_the_model_only_while_recording_replaying_or_collecting(moe, batch):
+    """A MoE model shared with the hf engine samples between the trainer's uses: hooks left
+    on it would turn off the fast decoder's shared prefill and dropped rows (has_hooks)."""
+    from gspo.engines.hf import has_hooks
+    from gspo.moe import routing_for
+
+    ids, mask = batch
+    moe.config.output_router_logits, moe.config.router_aux_loss_coef = True, 0.01
+    routing = routing_for(moe, replay=True)
+    assert not has_hooks(moe)
+    record = routing.recording(len(ids), ids.shape[1] - 1)
+    with record(torch.arange(len(ids))):
+        assert has_hooks(moe)
+        token_logprobs(moe, ids, mask, 5)
+    assert not has_hooks(moe)
+    with routing.replaying(torch.arange(len(ids))), routing.balancing() as load:
+        assert has_hooks(moe)
+        token_logprobs(moe, ids, mask, 5)
+    assert not has_hooks(moe) and float(load.loss().detach()) > 0
+    routing.close()
+    # what stays: transformers' own output capturing, installed by a forward asking for
+    # router logits, which collects whatever rows a forward holds
+    moe(input_ids=ids, output_router_logits=True)
+    assert any(m._forward_hooks for m in moe.modules()) and not has_hooks(moe)

@@ -51,23 +51,26 @@ class RoutingRecorder:
         self._mode: str | None = None
         self._rows: Tensor | None = None
         self._store = ""
-        self._handles = [m.register_forward_hook(self._hook(i))
-                         for i, (_, m) in enumerate(self.routers)]
+        self._handles: list = []  # the routers' hooks, there only while active
 
     def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        _remove(self._handles)
 
     @contextlib.contextmanager
     def _active(self, mode: str, rows: Tensor, store: str) -> Iterator[None]:
+        # hooks only while active: the hf engine's fast decoder shares prompts and drops
+        # finished rows unless a hook watches the model (a shared model samples between uses)
         if self._mode is not None:
             raise RuntimeError("routing recorder is already active")
         self._mode, self._rows, self._store = mode, rows, store
+        # first among the routers' hooks: the others see the experts replay forces
+        self._handles = [m.register_forward_hook(self._hook(i), prepend=True)
+                         for i, (_, m) in enumerate(self.routers)]
         try:
             yield
         finally:
             self._mode, self._rows = None, None
+            _remove(self._handles)
 
     def record(self, rows: Tensor, store: str = "old"):
         """Within this context, forwards over batch rows `rows` record their routing."""
@@ -185,7 +188,7 @@ class RouterLoad:
         self.num_experts = self.routers[0][1].num_experts
         self._acc: dict | None = None  # the current collect()'s sums
         self.last: dict | None = None  # the last one's
-        self._handles = [m.register_forward_hook(self._hook) for _, m in self.routers]
+        self._handles: list = []  # the routers' hooks, there only while collecting
 
     @contextlib.contextmanager
     def collect(self) -> Iterator["RouterLoad"]:
@@ -195,10 +198,12 @@ class RouterLoad:
         E, device = self.num_experts, self.routers[0][1].weight.device
         self._acc = {"counts": torch.zeros(E, device=device), "probs": 0.0,
                      "total": torch.zeros((), device=device)}
+        self._handles = [m.register_forward_hook(self._hook) for _, m in self.routers]
         try:
             yield self
         finally:
             self.last, self._acc = self._acc, None
+            _remove(self._handles)
 
     def loss(self) -> Tensor:
         """The aux loss of the forwards of the current `collect()`, or of the last one (a
@@ -226,9 +231,13 @@ class RouterLoad:
         return None
 
     def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        _remove(self._handles)
+
+
+def _remove(handles: list) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
 
 
 def expert_volatility(old: list[Tensor], new: list[Tensor], mask: Tensor) -> dict[str, float]:

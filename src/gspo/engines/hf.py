@@ -63,8 +63,13 @@ def sample_next(
 def has_hooks(model: torch.nn.Module) -> bool:
     """Whether forward hooks watch the model's modules (e.g. MoE routing recorders), which expect
     every forward to see the whole batch: then no row is shared or dropped. Global module hooks
-    (profilers, FLOP counters) do not count."""
-    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    (profilers, FLOP counters) do not count, nor do transformers' own output-capturing hooks,
+    which stay on a model once a forward asked for router logits or attentions
+    (output_router_logits=true in a MoE config) and collect each forward's outputs, whatever
+    rows it holds."""
+    return any(getattr(hook, "__module__", None) != "transformers.utils.output_capturing"
+               for m in model.modules()
+               for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))
 
 
 class HFEngine:
