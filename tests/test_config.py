@@ -300,3 +300,19 @@ def test_a_config_file_error_says_where_and_what(tmp_path):
     cfg = load_config(dotted)
     assert (cfg.train.steps, cfg.rollout.group_size, cfg.model.name_or_path) == \
         (2, 4, "tiny-qwen3")
+
+
+def test_a_config_file_in_another_encoding_loads_or_is_one_line(tmp_path):
+    # Windows PowerShell 5's `>` writes UTF-16 with a byte-order mark, an editor's Latin-1 file
+    # has bytes UTF-8 cannot decode: both were a UnicodeDecodeError traceback
+    text = "data:\n  system_prompt: Réponds en français.\ntrain:\n  steps: 2\n"
+    utf8, utf16, latin1 = (tmp_path / n for n in ("utf8.yaml", "utf16.yaml", "latin1.yaml"))
+    utf8.write_text(text, encoding="utf-8")
+    utf16.write_text(text, encoding="utf-16")  # with its BOM
+    latin1.write_text(text, encoding="latin-1")
+    assert load_config(utf16) == load_config(utf8)
+    # "data:\n  system_prompt: R" is 24 bytes: the "é" is byte 24
+    with pytest.raises(ConfigError, match=r"config file '.*latin1\.yaml' is not valid YAML: "
+                                          r"byte 0xe9 at offset 24 is not utf-8 text \(invalid "
+                                          r"continuation byte\); save the file as UTF-8"):
+        load_config(latin1)

@@ -483,12 +483,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
         if not path.is_file():
             raise ConfigError(f"config file '{path}' not found")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            # bytes: PyYAML decodes UTF-8, or UTF-16 by its BOM, and says where it cannot
+            data = yaml.safe_load(path.read_bytes()) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             what = getattr(e, "problem", None) or str(e).splitlines()[0]
             tabs = " (YAML indents with spaces, not tabs)" if "\\t" in what else ""
+            if isinstance(e, yaml.reader.ReaderError) and e.encoding != "unicode":  # undecodable
+                what = (f"byte {e.character:#04x} at offset {e.position} is not {e.encoding} "
+                        f"text ({e.reason}); save the file as UTF-8")
             raise ConfigError(f"config file '{path}' is not valid YAML{where}: {what}{tabs}"
                               ) from None
         if not isinstance(data, dict):
