@@ -79,3 +79,20 @@ def test_cli_given_the_metrics_file_names_its_run_dir(tmp_path, capsys):
 
 def test_cli_without_runs_returns_two(capsys):
     assert main([]) == 2
+
+
+def test_runs_whose_dir_and_parent_names_match_are_each_drawn(tmp_path, monkeypatch):
+    # sweeps laid out as <sweep>/<algorithm>/<seed>: two runs named exp/seed0 were one legend
+    # label, and one run silently replaced the other in every chart
+    import gspo.plot
+
+    drawn = {}
+    draw = gspo.plot._draw
+    monkeypatch.setattr(gspo.plot, "_draw", lambda ax, key, series: (
+        drawn.setdefault(key, series), draw(ax, key, series)))
+    a = fake_run(tmp_path / "sweep_a" / "exp" / "seed0", n_steps=4)
+    b = fake_run(tmp_path / "sweep_b" / "exp" / "seed0", n_steps=8)
+    plot_runs([a, b], out_dir=tmp_path / "out", keys=("reward/mean",))
+    assert drawn["reward/mean"] == {
+        "sweep_a/exp/seed0": ([1, 2, 3, 4], [0.25, 0.5, 0.75, 1.0]),
+        "sweep_b/exp/seed0": ([1, 2, 3, 4, 5, 6, 7, 8], [s / 8 for s in range(1, 9)])}

@@ -66,12 +66,15 @@ def _load_run(run_dir: Path) -> list[dict]:
 
 
 def _labels(run_dirs: list[Path]) -> list[str]:
-    """Dir names as legend labels, with the parent added where two runs share a name."""
-    names = [d.resolve().name for d in run_dirs]
-    return [
-        f"{d.resolve().parent.name}/{n}" if names.count(n) > 1 else n
-        for d, n in zip(run_dirs, names)
-    ]
+    """Dir names as legend labels, with as many parents added as it takes to tell a run from
+    the others (the runs are keyed by label: two runs under one label would be drawn as one)."""
+    paths = [d.resolve().parts for d in run_dirs]
+
+    def label(p: tuple[str, ...]) -> str:
+        depth = next((n for n in range(1, len(p)) if sum(q[-n:] == p[-n:] for q in paths) == 1),
+                     1)  # 1: the same run given twice
+        return "/".join(p[-depth:])
+    return [label(p) for p in paths]
 
 
 def _series(runs: dict[str, list[dict]], key: str) -> Series:
