@@ -316,3 +316,18 @@ def test_a_config_file_in_another_encoding_loads_or_is_one_line(tmp_path):
                                           r"byte 0xe9 at offset 24 is not utf-8 text \(invalid "
                                           r"continuation byte\); save the file as UTF-8"):
         load_config(latin1)
+
+
+@pytest.mark.parametrize("key", ["data.reward_timeout", "data.reward_fn_timeout",
+                                 "data.code_timeout", "train.dist_timeout_s"])
+@pytest.mark.parametrize("value", ["inf", "1e10"])
+def test_a_timeout_no_timer_can_wait_is_one_line_naming_the_field(key, value):
+    # "no limit" written as inf broke each once the run had started: a traceback from
+    # threading's join (reward_fn_timeout, 1e10 too), every math answer failing as if the data
+    # were wrong (1e10 too), every program failing to start in the sandbox, timedelta under
+    # torchrun; a day is the longest each takes
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} must be in [(\[]0, 86400\], got "
+                                          rf"{float(value)!r}"):
+        load_config(overrides=[f"{key}={value}"])
+    assert getattr(load_config(overrides=[f"{key}=86400"]), key.split(".")[0]).__dict__[
+        key.split(".")[1]] == 86400.0

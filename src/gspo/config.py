@@ -44,6 +44,10 @@ def _f(default: Any, help: str, *, choices: tuple | Callable[[], Any] | None = N
     return field(default=default, metadata=metadata)
 
 
+DAY = 86_400  # seconds: the longest timeout (a timer given inf, or 1e10 s, overflows)
+LONGEST_WAIT = "a day at most"
+
+
 def _task_names() -> tuple[str, ...]:
     """data.task's names (and the built-in rewards'): the task registry's, read when the config
     is checked, so that a task added with gspo.register_task is one (gspo.tasks loads no
@@ -172,15 +176,16 @@ class DataConfig:
                               why="so that a well-formed wrong answer never counts as solved")
     reward_timeout: float = _f(5.0, "math: seconds math-verify may spend on one completion "
                                "before it scores 0 (a failed call, counted in reward/failures)",
-                               gt=0)
+                               gt=0, le=DAY, why=LONGEST_WAIT)
     reward_fn_timeout: float = _f(60.0, "any reward: seconds one call may take before it fails "
                                   "(scored 0 and counted; the call is abandoned); 0 = no limit",
-                                  ge=0)
+                                  ge=0, le=DAY, why=LONGEST_WAIT + "; 0 = no limit")
     max_reward_failures: float = _f(0.5, "stop the run when more than this fraction of the "
                                     "completions of the last 10 RL steps failed to score (and "
                                     "at once when all of the first step's did); 1 = never",
                                     ge=0, le=1)
-    code_timeout: float = _f(5.0, "code: wall-clock and CPU seconds of one test run", gt=0)
+    code_timeout: float = _f(5.0, "code: wall-clock and CPU seconds of one test run", gt=0,
+                             le=DAY, why=LONGEST_WAIT)
     code_memory_mb: int = _f(1024, "code: memory of one test run, all its processes together "
                              "(see gspo.sandbox)", gt=0)
     code_workers: int = _f(0, "code: test runs in parallel (0 = the number of CPUs)", ge=0)
@@ -361,7 +366,8 @@ class TrainConfig:
     dist_timeout_s: float = _f(600.0, "under torchrun: seconds a rank waits in a collective (or "
                                "for the others to join) before every rank stops with an error "
                                "instead of hanging; raise it if one rank's checkpoint write or "
-                               "evaluation is slower than that", gt=0)
+                               "evaluation is slower than that", gt=0, le=DAY,
+                               why=LONGEST_WAIT)
 
 
 @dataclass
