@@ -331,3 +331,12 @@ def test_a_timeout_no_timer_can_wait_is_one_line_naming_the_field(key, value):
         load_config(overrides=[f"{key}={value}"])
     assert getattr(load_config(overrides=[f"{key}=86400"]), key.split(".")[0]).__dict__[
         key.split(".")[1]] == 86400.0
+
+
+def test_help_says_that_keep_last_0_keeps_every_checkpoint():
+    # what checkpoint._prune does with 0 (test_checkpoint.py: test_keep_last_zero_keeps_all);
+    # the help said only "older ones are deleted", so 0 read as "keep none"
+    from gspo.config import TrainConfig
+
+    keep_last = next(f for f in dataclasses.fields(TrainConfig) if f.name == "keep_last")
+    assert "0 = keep every one" in keep_last.metadata["help"]  # --help prints it (above)

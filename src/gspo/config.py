@@ -331,7 +331,8 @@ class TrainConfig:
     eval_temperature: float = _f(1.0, "sampling temperature of the evaluation", ge=0)
     save_every: int = _f(100, "checkpoint every N RL steps (and at the end); 0 = only the end",
                          ge=0)
-    keep_last: int = _f(2, "checkpoints kept (older ones are deleted)", ge=0)
+    keep_last: int = _f(2, "checkpoints kept (older ones are deleted); 0 = keep every one",
+                        ge=0)
     report_to: list | str = _f([], "experiment trackers to log to besides metrics.jsonl "
                                "(always written), e.g. [wandb, tensorboard] (`pip install "
                                "gspo[trackers]`)", choices=_tracker_names)
