@@ -6,7 +6,9 @@ each library's process-wide state (wandb's service, Trackio's store directory, r
 imported) stays out of this process; every store lies under the test's tmp directory.
 """
 
+import contextlib
 import copy
+import signal
 import importlib.util
 import json
 import math
@@ -25,6 +27,7 @@ from conftest import TINY_OVERRIDES
 from gspo.cli import main
 from gspo.logger import MetricsLogger, read_metrics
 from gspo.errors import ConfigError
+from gspo.signals import Interrupted
 from gspo.trackers import TRACKERS, open_trackers
 
 PACKAGES = {"tensorboard": ["tensorboard"], "wandb": ["wandb"], "trackio": ["trackio"],
@@ -345,3 +348,70 @@ def test_the_trackers_opened_before_one_that_cannot_start_are_closed(tmp_path, m
                                           r"or drop fails from train.report_to$"):
         open_trackers(["opens", "fails"], tmp_path, "gspo", {}, None)
     assert closed == ["opens"]
+
+
+def test_a_run_that_fails_or_is_stopped_is_not_marked_finished(tmp_path):
+    """A run that stops on an error (here optim.lr=inf: NaN weights at RL step 1, after row 0
+    was logged) was marked FINISHED in MLflow and exited 0 in wandb, like a run that finished;
+    each now gets the status the process exits with (2: MLflow FAILED; a signal's 130 / 143:
+    KILLED), and a run that finishes is still FINISHED / 0."""
+    names = [n for n in ("wandb", "mlflow") if n in INSTALLED]
+    if not names:
+        pytest.skip("neither wandb nor mlflow installed")
+    (tmp_path / "wandb").mkdir()
+    env, run = tracker_env(tmp_path), tmp_path / RUN
+    out = subprocess.run([sys.executable, "-m", "gspo", "train", "--output-dir", str(run),
+                          *TINY_OVERRIDES, f"train.report_to=[{','.join(names)}]",
+                          "optim.lr=inf"], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=TIMEOUT)
+    assert out.returncode == 2 and "logp contains NaN at RL step 1" in out.stderr, out.stderr
+    assert [r["step"] for r in read_metrics(run)] == [0]  # it had logged, then failed
+    if "mlflow" in names:
+        client = mlflow_client(tmp_path)
+        runs = client.search_runs([client.get_experiment_by_name("gspo").experiment_id])
+        assert [r.info.status for r in runs] == ["FAILED"]
+    if "wandb" in names:
+        exits = [r.exit.exit_code for _, r in wandb_records(run, tmp_path)
+                 if r.WhichOneof("record_type") == "exit"]
+        assert exits == [2]
+
+
+@pytest.mark.parametrize("error, exit_code", [
+    (None, 0), (ConfigError("bad"), 2), (RuntimeError("a bug"), 1),
+    (Interrupted("stopped by SIGTERM", signal.SIGTERM), 143)])
+def test_the_logger_closes_each_tracker_with_the_exit_status_of_the_run(tmp_path, monkeypatch,
+                                                                        error, exit_code):
+    closed = []
+
+    class Records:
+        run_id = None
+
+        def __init__(self, run):
+            pass
+
+        def log(self, step, metrics):
+            pass
+
+        def close(self, exit_code=0):
+            closed.append(exit_code)
+
+    monkeypatch.setitem(TRACKERS, "records", Records)
+    with pytest.raises(type(error)) if error else contextlib.nullcontext():
+        with MetricsLogger(tmp_path, report_to=["records"]) as ml:
+            ml.log(1, {"x": 1.0})
+            if error:
+                raise error
+    assert closed == [exit_code]
+
+
+def test_mlflow_marks_a_run_by_its_exit_status(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from gspo.trackers import MLflow, RunInfo
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    statuses = {}
+    for exit_code in (0, 1, 143):
+        tracker = MLflow(RunInfo(tmp_path, "gspo", {}, None, None))
+        tracker.close(exit_code)
+        statuses[exit_code] = tracker._client.get_run(tracker.run_id).info.status
+    assert statuses == {0: "FINISHED", 1: "FAILED", 143: "KILLED"}

@@ -79,20 +79,22 @@ class MetricsLogger:
         for tracker in self._trackers:
             tracker.log(int(step), values)
 
-    def close(self) -> None:
-        """Flush and close the file and the trackers; safe to call twice."""
+    def close(self, exit_code: int = 0) -> None:
+        """Flush and close the file and the trackers, whose runs end with `exit_code`, the
+        status the process exits with (0: finished; see Tracker.close); safe to call twice."""
         if self._file is not None:
             self._file.close()
             self._file = None
         for tracker in self._trackers:
-            tracker.close()
+            tracker.close(exit_code)
         self._trackers = []
 
     def __enter__(self) -> MetricsLogger:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # an error's status as gspo.cli exits with it (a GspoError's own, 128 + a signal's)
+        self.close(0 if exc is None else getattr(exc, "exit_code", 1))
 
 
 def progress(it, desc: str, enabled: bool):

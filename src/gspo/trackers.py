@@ -3,7 +3,7 @@
 metrics.jsonl (gspo.logger) is always written. A tracker runs only when `train.report_to`
 names it, never because its package happens to be installed (TRL's `report_to="all"` turns on
 every installed integration; gspo does not). Each is a tiny class over its own library with
-`log(step, metrics)` and `close()`, opened on rank 0 by the MetricsLogger.
+`log(step, metrics)` and `close(exit_code)`, opened on rank 0 by the MetricsLogger.
 
 As in Hugging Face's Trainer, `train.project` is the project (wandb, Trackio) or experiment
 (MLflow) and the run has a name, here the run directory's; the resolved config is the run's
@@ -61,7 +61,9 @@ class Tracker(Protocol):
 
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, exit_code: int = 0) -> None:
+        """End the run as the process ends: 0 finished, else failed (128 + N: stopped by
+        signal N, a checkpoint saved to resume from)."""
 
 
 class TensorBoard:
@@ -81,7 +83,7 @@ class TensorBoard:
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, step)
 
-    def close(self):
+    def close(self, exit_code=0):
         self._writer.close()
 
 
@@ -101,8 +103,8 @@ class Wandb:
     def log(self, step, metrics):
         self._run.log(metrics, step=step)
 
-    def close(self):
-        self._run.finish()
+    def close(self, exit_code=0):
+        self._run.finish(exit_code=exit_code)  # non-zero: the run shows as failed
 
 
 class Trackio:
@@ -120,7 +122,7 @@ class Trackio:
     def log(self, step, metrics):
         self._run.log(metrics, step=step)
 
-    def close(self):
+    def close(self, exit_code=0):
         self._run.finish()
 
 
@@ -161,8 +163,9 @@ class MLflow:
             Metric(re.sub(r"[^0-9A-Za-z_\-. :/]", "_", k), v, now, step)
             for k, v in metrics.items()])
 
-    def close(self):
-        self._client.set_terminated(self.run_id)
+    def close(self, exit_code=0):
+        status = "FINISHED" if exit_code == 0 else "KILLED" if exit_code > 128 else "FAILED"
+        self._client.set_terminated(self.run_id, status=status)
 
 
 TRACKERS: dict[str, type] = {"tensorboard": TensorBoard, "wandb": Wandb, "trackio": Trackio,
