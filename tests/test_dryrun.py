@@ -459,3 +459,14 @@ def test_the_report_says_how_a_minibatch_is_cut_into_forwards():
     assert (f"warning: train.max_tokens_per_micro={per_seq - 1:,} is below a full-length "
             f"sequence's {per_seq:,} tokens: such a sequence gets a micro-batch of its own, "
             f"over the budget") in out.getvalue()
+
+
+def test_a_tracker_that_cannot_be_imported_is_a_warning_as_the_run_refuses_it(monkeypatch):
+    # the run refuses at start a train.report_to tracker it cannot import (gspo.trackers.require,
+    # tests/test_trackers.py); the dry run said "passed" without a word about it
+    monkeypatch.setitem(sys.modules, "wandb", None)  # its import raises
+    out = io.StringIO()
+    dry_run(load_config(overrides=["train.report_to=[tensorboard, wandb]"]), out=out)
+    warnings = [line for line in out.getvalue().splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: checked on this machine: train.report_to=wandb (pip install "
+                        "'gspo[trackers]') not available here; needed at run time"]

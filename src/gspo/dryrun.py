@@ -9,10 +9,10 @@ weights not read, and not called), check how the batch divides over the ranks of
 token budget of a step and an estimate of the memory per rank. Nothing is written: no run
 directory, no lock, no checkpoint.
 
-What only the machine the run goes to must have (the rollout engine's package, a CUDA device)
-is a warning here, not an error, so that a GPU recipe can be checked on a laptop. Left out: the
-memory of activations, logits and the allocator's slack (the estimate says so), and anything
-that needs the weights (a checkpoint's manifest is not verified on resume).
+What only the machine the run goes to must have (the rollout engine's or a tracker's package,
+a CUDA device) is a warning here, not an error, so that a GPU recipe can be checked on a laptop.
+Left out: the memory of activations, logits and the allocator's slack (the estimate says so),
+and anything that needs the weights (a checkpoint's manifest is not verified on resume).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from gspo.rewards import close_reward, reward_model_paths
 from gspo.rewards.model import RewardModel
 from gspo.runlock import check_run_dir
 from gspo.tasks import get_task
+from gspo.trackers import require
 from gspo.preflight import data_parallel_mode, preflight, setting_warnings
 
 GIB = 2 ** 30
@@ -97,7 +98,8 @@ def launch_world() -> int:
 
 
 def machine_warnings(cfg: Config) -> list[str]:
-    """What the run needs that this machine lacks (the engine's package, CUDA): warnings."""
+    """What the run needs that this machine lacks (the engine's and the trackers' packages,
+    CUDA): warnings."""
     warnings = []
     needs = engine_class(cfg.rollout.engine).requires
     if needs and importlib.util.find_spec(needs) is None:
@@ -109,6 +111,11 @@ def machine_warnings(cfg: Config) -> list[str]:
     if (reward_model_paths(cfg.data.reward) and cfg.data.reward_device.startswith("cuda")
             and not torch.cuda.is_available()):
         warnings.append(f"data.reward_device={cfg.data.reward_device} (a CUDA device)")
+    for name in cfg.train.report_to:
+        try:
+            require([name])  # what the run's start refuses
+        except ConfigError:
+            warnings.append(f"train.report_to={name} (pip install 'gspo[trackers]')")
     return [f"checked on this machine: {w} not available here; needed at run time"
             for w in warnings]
 
