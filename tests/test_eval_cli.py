@@ -205,6 +205,9 @@ def test_gspo_eval_bounds_a_reward_call_by_data_reward_fn_timeout(model_dir, tmp
      "--dtype must be one of auto | float32 | bfloat16 | float16, got 'bf16'"),
     (["--data", str(DATA / "math_mini.jsonl"), "--device", "gpu"],
      "--device 'gpu' is not a device"),
+    # NaN sampled one token over and over, scored 0% and exited 0
+    (["--data", str(DATA / "math_mini.jsonl"), "--temperature", "nan"],
+     "temperature must be >= 0, got nan"),
     # checked before the evaluation runs, so that its results are never lost
     (["--data", str(DATA / "math_mini.jsonl"), "--output", str(DATA)], "must name a file"),
     (["--data", str(DATA / "math_mini.jsonl"), "--output", "/no/such/dir/e.jsonl"],
