@@ -415,3 +415,53 @@ def test_mlflow_marks_a_run_by_its_exit_status(tmp_path, monkeypatch):
         tracker.close(exit_code)
         statuses[exit_code] = tracker._client.get_run(tracker.run_id).info.status
     assert statuses == {0: "FINISHED", 1: "FAILED", 143: "KILLED"}
+
+
+def test_a_tracker_whose_close_raises_leaves_the_others_closed_and_the_runs_error_as_is(
+        tmp_path, monkeypatch, caplog):
+    closed = []
+
+    def tracker(name, fails):
+        class T:
+            run_id = None
+
+            def __init__(self, run):
+                pass
+
+            def log(self, step, metrics):
+                pass
+
+            def close(self, exit_code=0):
+                closed.append(name)
+                if fails:
+                    raise ConnectionError("final sync: the server is out of reach")
+        return T
+
+    monkeypatch.setitem(TRACKERS, "first", tracker("first", True))
+    monkeypatch.setitem(TRACKERS, "second", tracker("second", False))
+    with pytest.raises(KeyError, match="the run's own"):
+        with MetricsLogger(tmp_path, report_to=["first", "second"]) as ml:
+            ml.log(1, {"x": 1.0})
+            raise KeyError("the run's own")
+    assert closed == ["first", "second"]
+    assert "closing T failed (ConnectionError: final sync: the server is out of reach)" in caplog.text
+
+
+@pytest.mark.parametrize("torn", ['{"mlflow": "ab', "", '["x"]', "\xff\xfe"])
+def test_a_torn_trackers_json_starts_new_tracker_runs_on_resume(tmp_path, monkeypatch, caplog,
+                                                                torn):
+    """A kill while trackers.json was written (before it was written atomically) left it torn:
+    every --resume then failed with a JSONDecodeError traceback."""
+    seen = []
+
+    class Records:
+        def __init__(self, run):
+            seen.append(run.run_id)
+            self.run_id = "new-id"
+
+    monkeypatch.setitem(TRACKERS, "records", Records)
+    (tmp_path / "trackers.json").write_text(torn, encoding="latin-1")
+    open_trackers(["records"], tmp_path, "gspo", {}, resume_from_step=1)
+    assert seen == [None] and "trackers.json is unreadable" in caplog.text
+    assert json.loads((tmp_path / "trackers.json").read_text()) == {"records": "new-id"}
+    assert [p.name for p in tmp_path.iterdir()] == ["trackers.json"]  # no temporary left

@@ -85,9 +85,14 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
-        for tracker in self._trackers:
-            tracker.close(exit_code)
-        self._trackers = []
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:  # each one, whatever another's close raises (a network
+            try:                  # error at wandb's final sync): said, not raised over the
+                tracker.close(exit_code)  # run's own status or error
+            except Exception as e:
+                log.warning("closing %s failed (%s: %s); metrics.jsonl holds every row",
+                            type(tracker).__name__, type(e).__name__,
+                            (str(e).strip().splitlines() or [""])[0][:300])
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import re
 import time
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import Protocol
 
 from gspo.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 TRACKERS_FILE = "trackers.json"
 TENSORBOARD_DIR = "tensorboard"
@@ -191,7 +194,7 @@ def open_trackers(names: list[str], run_dir: Path, project: str, config: dict,
     tracking server out of reach) is a ConfigError naming it and the fix; the ones opened
     before it are closed."""
     path = run_dir / TRACKERS_FILE
-    ids = json.loads(path.read_text()) if resume_from_step is not None and path.is_file() else {}
+    ids = _read_ids(path) if resume_from_step is not None else {}
     trackers = {}
     for name in names:
         try:
@@ -205,7 +208,26 @@ def open_trackers(names: list[str], run_dir: Path, project: str, config: dict,
                               f"({type(e).__name__}: {why}); {TRACKERS[name].fix}, or drop "
                               f"{name} from train.report_to") from e
     ids.update({name: t.run_id for name, t in trackers.items() if t.run_id})
-    if ids:
-        path.write_text(json.dumps(ids, indent=2) + "\n")
+    if ids:  # atomically: a kill mid-write leaves the old file, not a torn one
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(ids, indent=2) + "\n")
+        os.replace(tmp, path)
     return list(trackers.values())
+
+
+def _read_ids(path: Path) -> dict:
+    """The tracker runs trackers.json records, or none (said) where it is unreadable: the
+    resume then starts new tracker runs rather than failing."""
+    if not path.is_file():
+        return {}
+    try:
+        ids = json.loads(path.read_text())
+        if isinstance(ids, dict) and all(isinstance(v, str) for v in ids.values()):
+            return ids
+        why = "not a mapping of tracker names to run ids"
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        why = f"{type(e).__name__}: {e}"
+    log.warning("%s is unreadable (%s): the resumed run's trackers start new runs instead of "
+                "continuing the earlier ones", path, why)
+    return {}
 
