@@ -376,14 +376,9 @@ def test_a_run_that_fails_or_is_stopped_is_not_marked_finished(tmp_path):
         assert exits == [2]
 
 
-@pytest.mark.parametrize("error, exit_code", [
-    (None, 0), (ConfigError("bad"), 2), (RuntimeError("a bug"), 1),
-    (Interrupted("stopped by SIGTERM", signal.SIGTERM), 143)])
-def test_the_logger_closes_each_tracker_with_the_exit_status_of_the_run(tmp_path, monkeypatch,
-                                                                        error, exit_code):
-    closed = []
-
-    class Records:
+def closing_tracker(on_close):
+    """A tracker class that logs nothing and calls on_close(exit_code) when closed."""
+    class Tracker:
         run_id = None
 
         def __init__(self, run):
@@ -393,9 +388,18 @@ def test_the_logger_closes_each_tracker_with_the_exit_status_of_the_run(tmp_path
             pass
 
         def close(self, exit_code=0):
-            closed.append(exit_code)
+            on_close(exit_code)
+    return Tracker
 
-    monkeypatch.setitem(TRACKERS, "records", Records)
+
+@pytest.mark.parametrize("error, exit_code", [
+    (None, 0), (ConfigError("bad"), 2), (RuntimeError("a bug"), 1),
+    (Interrupted("stopped by SIGTERM", signal.SIGTERM), 143)])
+def test_the_logger_closes_each_tracker_with_the_exit_status_of_the_run(tmp_path, monkeypatch,
+                                                                        error, exit_code):
+    closed = []
+    monkeypatch.setitem(TRACKERS, "records",
+                        closing_tracker(lambda code: closed.append(code)))
     with pytest.raises(type(error)) if error else contextlib.nullcontext():
         with MetricsLogger(tmp_path, report_to=["records"]) as ml:
             ml.log(1, {"x": 1.0})
@@ -421,30 +425,18 @@ def test_a_tracker_whose_close_raises_leaves_the_others_closed_and_the_runs_erro
         tmp_path, monkeypatch, caplog):
     closed = []
 
-    def tracker(name, fails):
-        class T:
-            run_id = None
+    def fails(code):
+        closed.append("first")
+        raise ConnectionError("final sync: the server is out of reach")
 
-            def __init__(self, run):
-                pass
-
-            def log(self, step, metrics):
-                pass
-
-            def close(self, exit_code=0):
-                closed.append(name)
-                if fails:
-                    raise ConnectionError("final sync: the server is out of reach")
-        return T
-
-    monkeypatch.setitem(TRACKERS, "first", tracker("first", True))
-    monkeypatch.setitem(TRACKERS, "second", tracker("second", False))
+    monkeypatch.setitem(TRACKERS, "first", closing_tracker(fails))
+    monkeypatch.setitem(TRACKERS, "second", closing_tracker(lambda code: closed.append("second")))
     with pytest.raises(KeyError, match="the run's own"):
         with MetricsLogger(tmp_path, report_to=["first", "second"]) as ml:
             ml.log(1, {"x": 1.0})
             raise KeyError("the run's own")
     assert closed == ["first", "second"]
-    assert "closing T failed (ConnectionError: final sync: the server is out of reach)" in caplog.text
+    assert "closing Tracker failed (ConnectionError: final sync: the server is out of reach)" in caplog.text
 
 
 @pytest.mark.parametrize("torn", ['{"mlflow": "ab', "", '["x"]', "\xff\xfe"])
