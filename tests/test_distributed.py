@@ -327,6 +327,23 @@ def test_expert_counts_add_over_ranks_to_the_whole_batch_load():
     assert load_summary(parts[0] + parts[1]) == pytest.approx(load_stats(idx, mask, 6))
 
 
+@pytest.mark.parametrize("env, says", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not"),
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not a number of ranks")])
+def test_a_world_size_without_torchrun_is_a_clear_error(tmp_path, capsys, monkeypatch, env,
+                                                        says):
+    # a WORLD_SIZE left exported (e.g. from planning with --dry-run) and a plain `gspo train`:
+    # one line naming what is missing and the two fixes, not torch's env:// traceback
+    from test_bad_inputs import fails_cleanly
+    for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    last = fails_cleanly(capsys, "train", "--output-dir", str(tmp_path / "r"), *QUICK, says=says)
+    assert "torchrun --nproc_per_node" in last and "unset WORLD_SIZE" in last
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
 @pytest.mark.parametrize("spec, message", [("cuda", "no CUDA device"), ("cuda:1", "no CUDA device"),
                                            ("tpu", "not a device"), ("meta", "only cpu and cuda")])
 def test_a_device_this_machine_lacks_is_a_clear_error(spec, message):

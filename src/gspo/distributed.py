@@ -114,7 +114,7 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
     `timeout_s` bounds every collective and the join itself: a rank that waits longer for the
     others (one crashed, or took another path) raises instead of hanging, and torchrun then
     stops the rest. torch's own defaults (30 min for gloo) would hold a job that long."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launch_world()
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else 0
     dev = resolve_device(device, local_rank)
     if world <= 1:
@@ -123,6 +123,29 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
                                 timeout=timedelta(seconds=timeout_s))
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev)
+
+
+TORCHRUN_ENV = ("RANK", "MASTER_ADDR", "MASTER_PORT")
+"""what torchrun sets beside WORLD_SIZE, and joining its process group (env://) reads"""
+
+
+def launch_world() -> int:
+    """WORLD_SIZE, 1 without it; a ConfigError when it cannot be joined: not a number of ranks,
+    or above 1 without the rest of torchrun's environment (a WORLD_SIZE left exported and
+    `gspo train` run without torchrun), where torch would raise a traceback about env://."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(value)
+    except ValueError:
+        world = 0
+    missing = [k for k in TORCHRUN_ENV if not os.environ.get(k)]
+    if world < 1 or (world > 1 and missing):
+        what = ("is not a number of ranks" if world < 1 else
+                f"is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not")
+        raise ConfigError(f"WORLD_SIZE={value if world else repr(value)} {what}: torchrun sets "
+                          f"them all for each rank it starts (torchrun --nproc_per_node N -m "
+                          f"gspo train ...); unset WORLD_SIZE to train in one process")
+    return world
 
 
 # what gloo / NCCL / the TCP store say when a peer is gone or a collective outlived its timeout
