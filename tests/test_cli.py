@@ -120,3 +120,19 @@ def test_a_resume_cannot_change_the_model_or_the_algorithm_and_leaves_the_run_as
     out = run_cli("train", "--resume", str(run), "train.steps=3")  # a plain resume still works
     assert out.returncode == 0, out.stderr[-2000:]
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
+    """`gspo eval ... | head` closes stdout's pipe before gspo's last lines: a
+    BrokenPipeError traceback (and a second at exit) before; now the status a shell gives a
+    pipeline's cut-short writer (128 + SIGPIPE) and nothing on stderr."""
+    p = subprocess.Popen([sys.executable, "-m", "gspo", "train", "--dry-run", "--output-dir",
+                          str(tmp_path / "run")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # the reader is gone before gspo writes (its imports take longer)
+    try:
+        err = p.stderr.read()
+        assert p.wait(timeout=120) == 141
+    finally:
+        p.kill()
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

@@ -211,12 +211,19 @@ def main(argv: list[str] | None = None) -> int:
         p.parse_args([cmd])  # prints the error and exits 2
     from gspo.errors import GspoError
     try:
-        return COMMANDS[cmd]()(rest)
+        code = COMMANDS[cmd]()(rest)
+        sys.stdout.flush()  # here, where a reader gone early is caught below, not at exit
+        return code
     except GspoError as e:  # the one exit path of every user-fixable error
         if getattr(e, "rank0_says_it", False) and int(os.environ.get("RANK", "0")) != 0:
             return e.exit_code  # the same line as rank 0's: printed once
         say(f"gspo: error: {e}" if e.exit_code == USAGE_ERROR else f"gspo: {e}")
         return e.exit_code
+    except BrokenPipeError:  # stdout's reader left early (gspo eval ... | head): it had what
+        # it wanted, the results file is written; without this, a traceback, and another at
+        # exit when Python flushes stdout into the closed pipe again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # SIGPIPE's status, as a shell reports a pipeline's cut-short writer
 
 
 def say(line: str) -> None:
