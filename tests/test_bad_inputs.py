@@ -680,3 +680,27 @@ def test_eval_takes_a_run_directory_for_its_latest_checkpoint(tmp_path, capsys, 
                  "--max-new-tokens", "4", "--output", str(out)]) == 0
     assert "step_000002, the latest checkpoint of" in capsys.readouterr().err
     assert out.is_file()
+
+
+def test_run_json_records_the_software_and_a_resume_under_other_software_says_so(
+        tmp_path, finished_run, caplog):
+    import platform
+
+    import torch
+    import transformers
+
+    from gspo import __version__
+    from gspo.runrecord import check_resume
+    run, _ = copied(finished_run, tmp_path)
+    ckpt = run / "checkpoints" / "step_000002"
+    record = json.loads((ckpt / "run.json").read_text())
+    assert record["versions"] == {"python": platform.python_version(), "gspo": __version__,
+                                  "torch": torch.__version__,
+                                  "transformers": transformers.__version__}
+    cfg = load_config(overrides=QUICK + ["train.steps=3"])
+    check_resume(cfg, run, ckpt)
+    assert "other software" not in caplog.text  # the same software: nothing said
+    record["versions"]["torch"] = "2.0.0"
+    (ckpt / "run.json").write_text(json.dumps(record))
+    check_resume(cfg, run, ckpt)
+    assert f"other software (torch 2.0.0 -> {torch.__version__})" in caplog.text

@@ -13,6 +13,8 @@ can be deleted or edited between a stop and a resume. So every checkpoint carrie
     train_data    'config' (data.path or a generated task) or 'python' (train_data=...);
     eval_data     the same for the held-out rows
     rows          how many training / held-out rows, and the SHA-256 of both lists
+    versions      the software it was trained with: Python, gspo, torch, transformers (and
+                  vLLM where the run imported it); a resume under others is said, not refused
 
 A resume (and `gspo train --dry-run --resume`) compares itself with the checkpoint it starts
 from and refuses, in one line naming the field and how to start a new run instead:
@@ -29,11 +31,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
+import platform
+import sys
 from pathlib import Path
 from typing import Any
 
 from gspo.config import Config, load_config, to_dict
 from gspo.errors import TrainingError
+
+log = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
 FORMAT = 1
@@ -102,7 +109,22 @@ def make_record(cfg: Config, reward_fn, train_data, eval_data, train_rows: list[
             "train_data": "config" if train_data is None else "python",
             "eval_data": "config" if eval_data is None else "python",
             "rows": {"train": len(train_rows), "eval": len(eval_rows),
-                     "sha256": rows_fingerprint(train_rows, eval_rows)}}
+                     "sha256": rows_fingerprint(train_rows, eval_rows)},
+            "versions": versions()}
+
+
+def versions() -> dict[str, str]:
+    """The software this process trains with: Python, gspo, torch, transformers, and vLLM's
+    where the run imported it."""
+    import torch
+    import transformers
+
+    import gspo
+    out = {"python": platform.python_version(), "gspo": gspo.__version__,
+           "torch": torch.__version__, "transformers": transformers.__version__}
+    if "vllm" in sys.modules:
+        out["vllm"] = str(getattr(sys.modules["vllm"], "__version__", "unknown"))
+    return out
 
 
 def write_record(ckpt_dir: Path, record: dict) -> None:
@@ -212,6 +234,12 @@ def check_resume(cfg: Config, run_dir: Path, ckpt: Path, reward_fn=None, train_d
             raise TrainingError(f"{where}: the reward model {path} is not the one the run was "
                                 f"trained with (its files' SHA-256 is {now[:12]}..., was "
                                 f"{then[:12]}...); restore it, or {new_run}")
+    then, now = record.get("versions", {}), versions()
+    moved = [f"{k} {then[k]} -> {now[k]}" for k in now if k in then and then[k] != now[k]]
+    if moved:  # kernels and defaults may differ: the run goes on, not bit for bit
+        log.warning("%s: resuming a run trained with other software (%s): it continues, but "
+                    "need not match, bit for bit, a run that was never stopped", where,
+                    ", ".join(moved))
     return record
 
 
