@@ -120,9 +120,31 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
     if world <= 1:
         return Dist(device=dev)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=timeout_s))
+        with _signals_end_the_process():
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                    timeout=timedelta(seconds=timeout_s))
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev)
+
+
+@contextmanager
+def _signals_end_the_process() -> Iterator[None]:
+    """SIGTERM and SIGINT end the process at once for the duration (main thread only). The join
+    waits in C++ for the other ranks and returns to Python, where a stop request (gspo.signals)
+    would be seen, only when they come or it times out: a rank that failed before joining (rank
+    0 finding the run directory busy) left the others waiting there through torchrun's SIGTERM
+    until its SIGKILL, ~35 s. Nothing is written before the join, so nothing is lost."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_DFL) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 TORCHRUN_ENV = ("RANK", "MASTER_ADDR", "MASTER_PORT")
