@@ -690,13 +690,16 @@ def test_run_json_records_the_software_and_a_resume_under_other_software_says_so
     import transformers
 
     from gspo import __version__
-    from gspo.runrecord import check_resume
+    from gspo.runrecord import IMPORTED_LIBRARIES, check_resume
     run, _ = copied(finished_run, tmp_path)
     ckpt = run / "checkpoints" / "step_000002"
     record = json.loads((ckpt / "run.json").read_text())
-    assert record["versions"] == {"python": platform.python_version(), "gspo": __version__,
-                                  "torch": torch.__version__,
-                                  "transformers": transformers.__version__}
+    base = {"python": platform.python_version(), "gspo": __version__,
+            "torch": torch.__version__, "transformers": transformers.__version__}
+    extra = {k: v for k, v in record["versions"].items() if k not in base}
+    assert {k: record["versions"][k] for k in base} == base
+    # peft's, vLLM's where this test process had imported them when the run trained
+    assert extra == {k: sys.modules[k].__version__ for k in extra if k in IMPORTED_LIBRARIES}
     cfg = load_config(overrides=QUICK + ["train.steps=3"])
     check_resume(cfg, run, ckpt)
     assert "other software" not in caplog.text  # the same software: nothing said

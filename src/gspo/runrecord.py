@@ -113,17 +113,23 @@ def make_record(cfg: Config, reward_fn, train_data, eval_data, train_rows: list[
             "versions": versions()}
 
 
+IMPORTED_LIBRARIES = ("peft", "vllm")
+"""libraries whose version run.json records where the run imported them (LoRA, an engine)"""
+
+
 def versions() -> dict[str, str]:
-    """The software this process trains with: Python, gspo, torch, transformers, and vLLM's
-    where the run imported it."""
+    """The software this process trains with: Python, gspo, torch, transformers, and each of
+    IMPORTED_LIBRARIES the run imported."""
     import torch
     import transformers
 
     import gspo
     out = {"python": platform.python_version(), "gspo": gspo.__version__,
            "torch": torch.__version__, "transformers": transformers.__version__}
-    if "vllm" in sys.modules:
-        out["vllm"] = str(getattr(sys.modules["vllm"], "__version__", "unknown"))
+    for name in IMPORTED_LIBRARIES:
+        module = sys.modules.get(name)
+        if module is not None:
+            out[name] = str(getattr(module, "__version__", "unknown"))
     return out
 
 
