@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from gspo.errors import ConfigError
+from gspo.signals import signal_defaults
 
 
 @dataclass(frozen=True)
@@ -120,47 +121,30 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
     if world <= 1:
         return Dist(device=dev)
     if not dist.is_initialized():
-        with _signals_end_the_process():
+        with signal_defaults():  # the join returns to Python only when all came, or timed out
             dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
                                     timeout=timedelta(seconds=timeout_s))
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev)
-
-
-@contextmanager
-def _signals_end_the_process() -> Iterator[None]:
-    """SIGTERM and SIGINT end the process at once for the duration (main thread only). The join
-    waits in C++ for the other ranks and returns to Python, where a stop request (gspo.signals)
-    would be seen, only when they come or it times out: a rank that failed before joining (rank
-    0 finding the run directory busy) left the others waiting there through torchrun's SIGTERM
-    until its SIGKILL, ~35 s. Nothing is written before the join, so nothing is lost."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, signal.SIG_DFL) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 TORCHRUN_ENV = ("RANK", "MASTER_ADDR", "MASTER_PORT")
 """what torchrun sets beside WORLD_SIZE, and joining its process group (env://) reads"""
 
 
-def launch_world() -> int:
+def launch_world(planned: bool = False) -> int:
     """WORLD_SIZE, 1 without it; a ConfigError when it cannot be joined: not a number of ranks,
     or above 1 without the rest of torchrun's environment (a WORLD_SIZE left exported and
-    `gspo train` run without torchrun), where torch would raise a traceback about env://."""
+    `gspo train` run without torchrun), where torch would raise a traceback about env://.
+    planned: a dry run planning a launch, for which WORLD_SIZE alone says the ranks."""
     value = os.environ.get("WORLD_SIZE", "1")
     try:
         world = int(value)
     except ValueError:
         world = 0
-    missing = [k for k in TORCHRUN_ENV if not os.environ.get(k)]
+    if planned and world < 1:
+        raise ConfigError(f"WORLD_SIZE={value!r} is not a number of ranks (torchrun sets it); "
+                          f"unset it, or pass --world-size N")
+    missing = [] if planned else [k for k in TORCHRUN_ENV if not os.environ.get(k)]
     if world < 1 or (world > 1 and missing):
         what = ("is not a number of ranks" if world < 1 else
                 f"is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not")

@@ -18,7 +18,6 @@ and anything that needs the weights (a checkpoint's manifest is not verified on 
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ import yaml
 from gspo import precision
 from gspo.config import Config, to_dict
 from gspo.data import RewardSum, encode_prompts, reward_name, score
-from gspo.distributed import Dist, resolve_device
+from gspo.distributed import Dist, launch_world, resolve_device
 from gspo.engines import engine_class, engine_settings
 from gspo.errors import ConfigError
 from gspo.rewards import close_reward, reward_model_paths
@@ -51,7 +50,7 @@ def dry_run(cfg: Config, world: int | None = None, run_dir: str | Path | None = 
     what the run would hold; returns the figures printed (GspoError when it cannot start).
     run_dir: the directory the run would write (checked for checkpoints, never created);
     out: where the report goes (default: stdout)."""
-    world = launch_world() if world is None else world
+    world = launch_world(planned=True) if world is None else world
     if world < 1:
         raise ConfigError(f"--world-size {world}: a launch has at least 1 rank; give the number "
                           f"of ranks torchrun will start (--nnodes x --nproc-per-node), or leave "
@@ -82,19 +81,6 @@ def dry_run(cfg: Config, world: int | None = None, run_dir: str | Path | None = 
     warnings += budget_warning(cfg, prompt_max + cfg.rollout.max_new_tokens)
     print_report(cfg, figures, model, tokenizer, sample, measured, warnings, out)
     return figures
-
-
-def launch_world() -> int:
-    """The ranks of this launch: torchrun's WORLD_SIZE, else 1."""
-    value = os.environ.get("WORLD_SIZE", "1")
-    try:
-        world = int(value)
-    except ValueError:
-        world = 0
-    if world < 1:
-        raise ConfigError(f"WORLD_SIZE={value!r} is not a number of ranks (torchrun sets it); "
-                          f"unset it, or pass --world-size N")
-    return world
 
 
 def machine_warnings(cfg: Config) -> list[str]:

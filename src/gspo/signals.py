@@ -19,10 +19,12 @@ says, under torchrun, that a traceback after it only reports the signal.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
+from typing import Iterator
 
 from gspo.errors import GspoError
 
@@ -41,6 +43,24 @@ class Interrupted(GspoError):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_code = 128 + signum
+
+
+@contextlib.contextmanager
+def signal_defaults() -> Iterator[None]:
+    """SIGNALS end the process at once for the duration (main thread only), whatever handler
+    (a StopRequest's) is installed: for a wait in C++ that returns to Python, where a stop
+    request is seen, only when it ends. Under torchrun, the join: a rank that failed before it
+    (rank 0 finding the run directory busy) left the others waiting there through torchrun's
+    SIGTERM until its SIGKILL, ~35 s. Nothing is written before the join, so nothing is lost."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_DFL) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 class StopRequest:
