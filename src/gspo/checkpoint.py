@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from gspo.errors import TrainingError
+from gspo.errors import TrainingError, first_line
 from gspo.precision import dtype_name
 from gspo.weights import untied_missing
 
@@ -138,7 +138,7 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _write_text_atomic(ckpts / LATEST_FILE, name + "\n")
+    write_text_atomic(ckpts / LATEST_FILE, name + "\n")
     _prune(ckpts, keep=final, keep_last=keep_last)
     return final
 
@@ -259,7 +259,7 @@ def _safetensors_header_problem(path: Path) -> str | None:
             f.keys()
         return None
     except (SafetensorError, OSError) as e:
-        return _first_line(e)
+        return first_line(e, 200)
 
 
 def _needed_mb(ckpts: Path, model) -> float:
@@ -335,7 +335,7 @@ def restore_moved_aside(run_dir: str | os.PathLike) -> None:
                 os.replace(entry, original)
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
     """Write a small file via temp file + fsync + rename, so readers see old or new, never half."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
@@ -497,13 +497,9 @@ def _torch_load(path: Path):
 
 def _damaged(path: Path, e: BaseException) -> TrainingError:
     """A checkpoint file that cannot be read, named with what the reader said and the fix."""
-    return TrainingError(f"{path} cannot be read ({_first_line(e)}): the checkpoint is damaged; "
+    return TrainingError(f"{path} cannot be read ({first_line(e, 200)}): the checkpoint is damaged; "
                          f"restore the file, or move {path.parent} aside to resume from the "
                          f"checkpoint before it")
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).splitlines() or [type(e).__name__])[0][:200]
 
 
 def _load_component(obj, state_dict: dict | None, what: str, ckpt_dir: Path) -> None:

@@ -3,6 +3,12 @@ prints it as `gspo: error: ...` and exits with status 2, without a traceback. An
 escapes is a bug and keeps its traceback."""
 
 
+def first_line(e: BaseException, limit: int | None = 300) -> str:
+    """What an exception says, as a part of one line: its first line (its type's name when it
+    says nothing), cut at `limit` characters (None: whole)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
+
+
 class GspoError(Exception):
     """Base of every user-fixable error gspo raises."""
 

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gspo.errors import TrainingError
+from gspo.errors import TrainingError, first_line
 from gspo.trackers import open_trackers
 
 METRICS_FILE = "metrics.jsonl"
@@ -91,8 +91,7 @@ class MetricsLogger:
                 tracker.close(exit_code)  # run's own status or error
             except Exception as e:
                 log.warning("closing %s failed (%s: %s); metrics.jsonl holds every row",
-                            type(tracker).__name__, type(e).__name__,
-                            (str(e).strip().splitlines() or [""])[0][:300])
+                            type(tracker).__name__, type(e).__name__, first_line(e))
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -134,10 +133,8 @@ def _truncate_after(path: Path, step: int, history: str | os.PathLike | None = N
     """Rewrite `path` atomically keeping only rows with step <= `step` (no file: create one),
     repaired from `history` (see MetricsLogger)."""
     rows = _resume_rows(path, step, Path(history) if history is not None else None)
-    kept = "".join(json.dumps(r, allow_nan=False) + "\n" for r in rows)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(kept)
-    os.replace(tmp, path)
+    from gspo.checkpoint import write_text_atomic  # torch: only where a resume rewrites rows
+    write_text_atomic(path, "".join(json.dumps(r, allow_nan=False) + "\n" for r in rows))
 
 
 def _resume_rows(path: Path, step: int, history: Path | None) -> list[dict]:

@@ -402,7 +402,6 @@ class NoRouting:
     """The routing of a dense model: nothing to record, replay or measure."""
 
     replays = False
-    aux_coef = 0.0
 
     def sampling(self, n_rows: int):
         return contextlib.nullcontext()

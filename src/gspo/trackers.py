@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from gspo.errors import ConfigError
+from gspo.errors import ConfigError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -203,15 +203,14 @@ def open_trackers(names: list[str], run_dir: Path, project: str, config: dict,
         except Exception as e:  # the library's own (wandb: no API key, no network, ...)
             for opened in trackers.values():
                 opened.close()
-            why = (str(e).strip().splitlines() or [""])[0][:300]
+            why = first_line(e)
             raise ConfigError(f"train.report_to={name}: {name} could not start "
                               f"({type(e).__name__}: {why}); {TRACKERS[name].fix}, or drop "
                               f"{name} from train.report_to") from e
     ids.update({name: t.run_id for name, t in trackers.items() if t.run_id})
     if ids:  # atomically: a kill mid-write leaves the old file, not a torn one
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(ids, indent=2) + "\n")
-        os.replace(tmp, path)
+        from gspo.checkpoint import write_text_atomic  # torch: only where a tracker has an id
+        write_text_atomic(path, json.dumps(ids, indent=2) + "\n")
     return list(trackers.values())
 
 

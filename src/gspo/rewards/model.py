@@ -33,7 +33,7 @@ import threading
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from gspo.errors import ConfigError, ModelLoadError
+from gspo.errors import ConfigError, ModelLoadError, first_line
 from gspo.hub import cached_snapshot, hub_unreachable, in_hub_cache
 from gspo.models import TOKENIZER_FILES
 from gspo.rewards import MODEL_PREFIX
@@ -97,7 +97,7 @@ class RewardModel:
                                                                            dtype=dtype)
             except (OSError, ValueError, KeyError, RuntimeError, ImportError) as err:
                 raise ModelLoadError(f"could not load the reward model {self.__name__} "
-                                     f"({_first_line(err)}); check the checkpoint's weights"
+                                     f"({first_line(err, None)}); check the checkpoint's weights"
                                      ) from err
             # the classifier pools the last token that is not this one (TRL sets it alike)
             model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
@@ -205,11 +205,7 @@ def _load(auto_class, source: str, what: str, thing: str, files: tuple[str, ...]
     try:
         return auto_class.from_pretrained(source)
     except (OSError, ValueError, KeyError) as err:
-        raise ConfigError(f"{what}: cannot load its {thing} ({_first_line(err)})") from None
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"{what}: cannot load its {thing} ({first_line(err, None)})") from None
 
 
 _FINGERPRINTS: dict[tuple, str] = {}
