@@ -110,6 +110,36 @@ def test_mixed_logits_gemm_runs_in_bf16_and_the_rest_in_float32():
         assert cos > 0.999 and big == 1.0
 
 
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_mixed_chunked_backward_equals_autocasts_dense_backward(with_entropy):
+    # reference: autograd through the same operations done densely as autocast runs them (the
+    # GEMM in bf16, the log-softmax in float32); the kernel keeps the forward's bf16 weight and
+    # bias for its backward and sums its chunks' weight gradients in float32
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(3, 4, 16, generator=g, requires_grad=True)
+    w = torch.randn(40, 16, generator=g, requires_grad=True)
+    b = torch.randn(40, generator=g, requires_grad=True)
+    y = torch.randint(0, 40, (3, 4), generator=g)
+    c_logp, c_ent = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
+
+    def loss(logp, entropy=None):
+        return (logp * c_logp).sum() + (0 if entropy is None else 0.5 * (entropy * c_ent).sum())
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = logprobs_from_hidden(h, w, y, 1.3, chunk_size=5, bias=b, with_entropy=with_entropy)
+    ours = torch.autograd.grad(loss(*out) if with_entropy else loss(out), (h, w, b))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        z = torch.nn.functional.linear(h, w, b).float() / 1.3  # (B, T, V)
+    logp_all = z.log_softmax(-1)
+    ref_logp = logp_all.gather(-1, y[..., None]).squeeze(-1)
+    ref_ent = -(logp_all.exp() * logp_all).sum(-1)
+    ref = torch.autograd.grad(loss(ref_logp, ref_ent if with_entropy else None), (h, w, b))
+    for got, want in zip(ours, ref):
+        assert got.dtype == torch.float32  # into the float32 masters
+        # the dense GEMM rounds its whole sum to bf16 once, the chunks each of theirs
+        torch.testing.assert_close(got, want, atol=0.02, rtol=0.02)
+
+
 def test_bf16_log_probs_would_swamp_gspos_clip_range():
     """Why the log-softmax runs in float32: GSPO clips the length-normalised log-ratio at
     ~3e-4, and log-probs rounded to bf16 move it by more than that on their own."""

@@ -113,23 +113,20 @@ class _ChunkedLogProbs(torch.autograd.Function):
             lses.append(lse)
         logp, lse = torch.cat(logps), torch.cat(lses)  # (N,)
         entropy = torch.cat(entropies) if with_entropy else None
-        ctx.save_for_backward(hidden, weight, bias, targets, lse,
-                              entropy if with_entropy else lse)
-        ctx.temperature, ctx.chunk_size, ctx.compute_dtype = temperature, chunk_size, compute_dtype
+        # the weight and bias in the GEMMs' dtype, kept for the backward rather than cast again
+        ctx.save_for_backward(hidden, w, b, targets, lse, entropy if with_entropy else lse)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.dtypes = weight.dtype, None if bias is None else bias.dtype
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
-        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        hidden, w, b, targets, lse, entropy = ctx.saved_tensors  # w, b in the forward's dtype
         tau, chunk = ctx.temperature, ctx.chunk_size
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        # the forward's own dtypes: each GEMM below runs in the dtype the forward's did
-        w, b = _cast(weight, ctx.compute_dtype), _cast(bias, ctx.compute_dtype)
         grad_h = torch.empty_like(hidden) if need_h else None
         acc = _wide(w.dtype)  # float32 (float64 for a float64 model)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = (torch.zeros(weight.shape[0], dtype=acc, device=weight.device)
-                  if need_b else None)
+        grad_w = grad_b = None  # summed over the chunks in float32
         for start in range(0, hidden.shape[0], chunk):
             sl = slice(start, start + chunk)
             h = hidden[sl].to(w.dtype)
@@ -150,19 +147,20 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 grad_z = logp_term if ent_term is None else logp_term.add_(ent_term)
             if tau != 1.0:
                 grad_z.div_(tau)  # z = logits / tau
-            if need_h:
-                grad_h[sl] = grad_z.to(w.dtype) @ w  # (n, H)
-            if need_w:
-                if w.dtype == acc:
-                    grad_w.addmm_(grad_z.t(), h)  # (V, H)
-                else:  # the GEMM in w's dtype, as autocast's backward runs it; summed in float32
-                    grad_w += grad_z.t().to(w.dtype) @ h
             if need_b:
-                grad_b += grad_z.sum(0)
+                part = grad_z.sum(0)
+                grad_b = part if grad_b is None else grad_b.add_(part)
+            # both GEMMs in w's dtype, as autocast's backward runs them, from one cast of grad_z
+            grad_z = grad_z.to(w.dtype)
+            if need_h:
+                grad_h[sl] = grad_z @ w  # (n, H)
+            if need_w:
+                part = grad_z.t() @ h  # (V, H)
+                grad_w = part.to(acc) if grad_w is None else grad_w.add_(part)
             del z, p, ent_term, logp_term, grad_z  # free this block before the next is made
-        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
-        return (grad_h, cast(grad_w, weight), None if bias is None else cast(grad_b, bias),
-                None, None, None, None, None)
+        w_dtype, b_dtype = ctx.dtypes
+        return (grad_h, None if grad_w is None else grad_w.to(w_dtype),
+                None if grad_b is None else grad_b.to(b_dtype), None, None, None, None, None)
 
 
 def logprobs_from_hidden(
