@@ -10,9 +10,10 @@ computes with all of torch's threads; the asynchronous ones give half to the sam
 and half to the trainer's, either lending a waiting thread's half to the other
 (rollout.share_cores=true, the default: 'shared', and 'trainer-recomputes' with
 rollout.sampler_recomputes=false, pi_old's forward in the trainer's thread) or not
-('fixed': fixed shares). The overrides go before --modes. Prints seconds per step,
-steps per hour, the ratios, and each asynchronous mode's bound: max(sampling, the trainer's
-own work) per step, from its rows (time/sample_s; the step's time less its wait for the batch).
+('fixed': fixed shares). The overrides go before --modes. Prints seconds per step (and each
+repeat's: their spread is the noise), steps per hour, the ratios, and each asynchronous mode's
+bound: max(sampling, the trainer's own work) per step, from its rows (time/sample_s; the
+step's time less its wait for the batch).
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ def main(argv=None) -> int:
     for name, rs in runs.items():
         m = {key: statistics.fmean(r[key] for r in rs) for key in rs[0]}
         mean[name] = m
+        each = " / ".join(f"{r['s_per_step']:.2f}" for r in rs) if len(rs) > 1 else ""
         print(f"{name:<28} {m['s_per_step']:8.2f} {3600 / m['s_per_step']:8.0f} "
-              f"{m['sample_s']:9.2f} {m['trainer_s']:10.2f} {m['wait_s']:7.2f}")
+              f"{m['sample_s']:9.2f} {m['trainer_s']:10.2f} {m['wait_s']:7.2f}  {each}")
     sync = mean["sync"]
     for name in list(modes)[1:]:
         asyn = mean[name]

@@ -92,7 +92,7 @@ def test_old_logprobs_benchmark_runs():
 
 def test_async_rollouts_benchmark_prints_the_ratio_and_the_bound():
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "async_rollouts.py"), "--steps", "2",
+        [sys.executable, str(BENCH / "async_rollouts.py"), "--steps", "2", "--repeats", "2",
          "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
          "model.intermediate_size=64", "rollout.prompts_per_step=2", "rollout.group_size=2",
          "rollout.max_new_tokens=3", "data.n_train=50", "data.n_eval=4"],
@@ -100,6 +100,9 @@ def test_async_rollouts_benchmark_prints_the_ratio_and_the_bound():
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "steps/hour async k=1 / sync: " in proc.stdout and "the bound" in proc.stdout
     assert "steps/hour async k=1 fixed / sync: " in proc.stdout
+    sync = next(line for line in proc.stdout.splitlines() if line.startswith("sync "))
+    mean, each = float(sync.split()[1]), [float(x) for x in sync.split("  ")[-1].split(" / ")]
+    assert len(each) == 2 and mean == pytest.approx(sum(each) / 2, abs=0.011)  # each repeat's
 
 
 def test_profile_step_benchmark_splits_the_step_into_phases(tmp_path):
