@@ -90,7 +90,9 @@ def _chunk_stats(h, weight, bias, targets, temperature: float, with_entropy: boo
 class _ChunkedLogProbs(torch.autograd.Function):
     """log softmax(h W^T + b)/tau at the targets (and the entropy), chunk by chunk, with a hand-written
     backward that recomputes each chunk's logits and turns them into the logits' gradient in
-    place, so that forward and backward each hold one (chunk, V) float32 block at a time.
+    place, so that forward and backward each hold one (chunk, V) float32 block at a time. Under
+    mixed precision the weight's bf16 copy (V, H) is kept from the forward to the backward
+    (`update` runs each micro-batch's backward right after its forward: one copy at a time).
 
         z = (h W^T + b) / tau,  p = softmax(z),  logp_y = z_y - lse(z),  H = lse - sum_v p_v z_v
         dlogp_y / dz = onehot(y) - p,  dH / dz = -p * (z - lse + H)
